@@ -1,0 +1,48 @@
+"""ctrlcomm: the control plane of distributed ML systems.
+
+Fast, asyncio-native, stateless groups for the small messages ranks exchange beside their
+tensor traffic. Start with :meth:`Group.create`.
+"""
+
+from ._errors import CodecError as CodecError
+from ._errors import CollectiveTimeoutError as CollectiveTimeoutError
+from ._errors import ConcurrentUseError as ConcurrentUseError
+from ._errors import CtrlcommError as CtrlcommError
+from ._errors import FormationError as FormationError
+from ._errors import FormationTimeoutError as FormationTimeoutError
+from ._errors import GroupBrokenError as GroupBrokenError
+from ._errors import GroupClosedError as GroupClosedError
+from ._errors import InvalidArgumentError as InvalidArgumentError
+from ._errors import MismatchError as MismatchError
+from ._errors import PeerLostError as PeerLostError
+from ._errors import ReductionError as ReductionError
+from ._errors import StoreError as StoreError
+from ._errors import StoreTimeoutError as StoreTimeoutError
+from ._group import AioGroup as AioGroup
+from ._group import Group as Group
+from ._store import StoreClient as StoreClient
+from ._transport import StoreServer as StoreServer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AioGroup",
+    "CodecError",
+    "CollectiveTimeoutError",
+    "ConcurrentUseError",
+    "CtrlcommError",
+    "FormationError",
+    "FormationTimeoutError",
+    "Group",
+    "GroupBrokenError",
+    "GroupClosedError",
+    "InvalidArgumentError",
+    "MismatchError",
+    "PeerLostError",
+    "ReductionError",
+    "StoreClient",
+    "StoreError",
+    "StoreServer",
+    "StoreTimeoutError",
+    "__version__",
+]

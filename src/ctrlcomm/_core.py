@@ -1,0 +1,397 @@
+"""Mailbox and the one execution loop both drivers run.
+
+Theory of operation
+-------------------
+A group has one :class:`Core`. Every call (collective or point to point) is run by
+:meth:`Core.execute`, a generator that does all the work and yields only when it must wait,
+yielding the number of seconds it is willing to sleep. The blocking driver (:func:`run_sync`)
+answers each yield by sleeping in ``zmq_poll``; the asyncio driver (:func:`run_async`) by
+awaiting the socket's descriptor through the event loop. Nothing else differs between the two.
+
+Matching: collective messages are keyed by (seq, round, src) and kept until the plan asks for
+them; messages of a later seq (a peer that is ahead) wait in the mailbox. Point-to-point
+messages queue per (src, tag), in arrival order, which is send order per pair of ranks.
+
+A collective message carries its op (and reduction op) and root. One whose seq is this rank's
+current seq but whose op or root differ means the ranks diverged: :class:`MismatchError` at once.
+
+States: ``open`` -> ``closed`` (by :meth:`close`) or ``broken`` (timeout, mismatch, cancel of
+a collective, peer lost, abort). A collective that fails leaves the seq counters of the ranks
+out of step, so the group is then broken: every later call raises :class:`GroupBrokenError`
+naming the first cause. A point-to-point ``recv`` that times out or is cancelled leaves the
+group open (a late message is simply queued for the next ``recv``). Bad arguments are
+rejected before a seq number is taken, so they leave the group open too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Generator
+from typing import Any
+
+from . import _plans
+from . import _wire as w
+from ._errors import (
+    CodecError,
+    CollectiveTimeoutError,
+    ConcurrentUseError,
+    GroupBrokenError,
+    GroupClosedError,
+    MismatchError,
+    PeerLostError,
+    WireError,
+)
+from ._transport import Endpoint
+
+# Seconds before a deadline at which a rank asks the peers it waits for what they are doing,
+# so that the timeout error can say it (capped at a tenth of the timeout).
+PROBE_GRACE = 0.25
+
+Wait = Generator[float, None, Any]
+
+
+def describe(op: int, root: int) -> str:
+    name = w.OP_NAME.get(op & 0x0F, f"op{op & 0x0F}")
+    red = op >> 4
+    parts = [name]
+    if red:
+        from ._ops import NAMED_OPS
+
+        parts.append(f"op={NAMED_OPS[red - 1]!r}" if red <= len(NAMED_OPS) else "op=<callable>")
+    if root != w.NO_ROOT:
+        parts.append(f"root={root}")
+    return parts[0] + (f"({', '.join(parts[1:])})" if len(parts) > 1 else "")
+
+
+class Core:
+    def __init__(self, *, name: str, rank: int, size: int, group_id: int, endpoint: Endpoint,
+                 codec: int, key: bytes | None, timeout: float) -> None:
+        self.name, self.rank, self.size = name, rank, size
+        self.group_id = group_id
+        self.ep = endpoint
+        self.codec = codec
+        self.key = key
+        self.timeout = timeout
+        self.seq = 0  # next collective's sequence number
+        self.box: dict[tuple[int, int, int], w.Message] = {}
+        self.p2p: dict[tuple[int, int], deque[w.Message]] = {}
+        self.status: dict[int, str] = {}
+        self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
+        self.dropped: Counter[str] = Counter()
+        self.sent = 0
+        self.received = 0
+        self.state = "open"
+        self.cause: BaseException | None = None
+        self.active: tuple[str, int, int, int] | None = None  # (name, seq, opcode, root)
+        self.waiting_for: list[int] = []
+        self.mismatch: MismatchError | None = None
+        self.last = "nothing yet"
+        self._lock = threading.Lock()
+        self._owner = ""
+
+    # ------------------------------------------------------------------------ receiving
+
+    def _accept(self, frames: list[Any]) -> None:
+        try:
+            m = w.decode(frames, self.key)
+        except WireError:
+            self.dropped["malformed"] += 1
+            return
+        if m.group_id != self.group_id:
+            self.dropped["other_group"] += 1
+            return
+        if not 0 <= m.src < self.size or m.src == self.rank:
+            self.dropped["bad_src"] += 1
+            return
+        self.received += 1
+        k = m.kind
+        if k == w.COLL:
+            if m.seq < self.seq - (self.active is not None and self.active[1] >= 0):
+                self.dropped["stale"] += 1
+                return
+            key = (m.seq, m.round, m.src)
+            if key in self.box:
+                self.dropped["duplicate"] += 1
+                return
+            self.box[key] = m
+            a = self.active
+            if a is not None and m.seq == a[1] and (m.op, m.root) != (a[2], a[3]):
+                self._set_mismatch(m)
+        elif k == w.P2P:
+            self.p2p.setdefault((m.src, m.round), deque()).append(m)
+        elif k == w.STATUS_REQ:
+            self._send_raw(m.src, w.STATUS_REP, self.describe_state().encode())
+        elif k == w.STATUS_REP:
+            self.status[m.src] = bytes(m.payload).decode(errors="replace")
+        elif k == w.BYE:
+            self.gone.setdefault(m.src, "closed the group")
+        elif k == w.ABORT:
+            reason = bytes(m.payload).decode(errors="replace")
+            self.gone[m.src] = f"aborted the group: {reason}"
+            self.brk(PeerLostError(f"group {self.name!r}: rank {m.src} aborted the group: {reason}",
+                                   ranks=[m.src]))
+
+    def _set_mismatch(self, m: w.Message) -> None:
+        a = self.active
+        assert a is not None
+        if self.mismatch is None:
+            self.mismatch = MismatchError(
+                f"group {self.name!r}: collective #{a[1]} mismatch: rank {self.rank} called "
+                f"{describe(a[2], a[3])}, rank {m.src} called {describe(m.op, m.root)}"
+            )
+
+    def pump(self) -> None:
+        self.ep.drain(self._accept)
+
+    def describe_state(self) -> str:
+        a = self.active
+        if a is None:
+            return f"idle (last call: {self.last})"
+        what = f"{a[0]} #{a[1]}" if a[1] >= 0 else a[0]
+        return f"in {what}, waiting for ranks {self.waiting_for}"
+
+    # -------------------------------------------------------------------------- sending
+
+    def _send_raw(self, dst: int, kind: int, payload: bytes) -> None:
+        msg = w.Message(kind, self.rank, self.group_id, 0, 0, payload=payload)
+        try:
+            self.ep.send(dst, w.encode(msg, self.key))
+        except Exception:  # a status or goodbye message is best effort
+            pass
+
+    def _encode(self, obj: Any) -> tuple[Any, tuple[Any, ...]]:
+        return w.dumps(obj, self.codec)
+
+    def _decode(self, m: w.Message, what: str) -> Any:
+        try:
+            return w.loads(m.payload, m.buffers, m.codec)
+        except Exception as e:  # unpickling runs code: anything can come out
+            raise CodecError(f"{what}: cannot decode the object from rank {m.src}: "
+                             f"{type(e).__name__}: {e}") from e
+
+    # --------------------------------------------------------------------------- states
+
+    def check_open(self) -> None:
+        if self.state == "closed":
+            raise GroupClosedError(f"group {self.name!r} (rank {self.rank}) is closed")
+        if self.state == "broken":
+            raise GroupBrokenError(f"group {self.name!r} (rank {self.rank}) is broken: "
+                                   f"{self.cause}") from self.cause
+
+    def brk(self, cause: BaseException) -> None:
+        if self.state == "open":
+            self.state = "broken"
+            self.cause = cause
+
+    def enter(self, what: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"group {self.name!r} (rank {self.rank}) is busy with {self._owner}: a group is "
+                f"used by one thread or coroutine at a time (called {what})")
+        self._owner = what
+        try:
+            self.check_open()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def leave(self) -> None:
+        self._owner = ""
+        self._lock.release()
+
+    # ------------------------------------------------------------------------ execution
+
+    def collective(self, name: str, plan: Callable[[_plans.Ctx], _plans.Plan], *,
+                   opcode: int, root: int = w.NO_ROOT, timeout: float | None) -> Wait:
+        """Run a plan to completion (a generator that yields seconds to wait)."""
+        self.enter(name)
+        seq = self.seq
+        self.seq += 1
+        self.active = (name, seq, opcode, root)
+        t = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + t
+        try:
+            for k, m in list(self.box.items()):
+                if k[0] < seq:  # left by a replay or a failed call: never wanted again
+                    del self.box[k]
+                elif k[0] == seq and (m.op, m.root) != (opcode, root):
+                    self._set_mismatch(m)
+            gen = plan(_plans.Ctx(self.rank, self.size))
+            reply: dict[int, Any] | None = None
+            while True:
+                try:
+                    step = gen.send(reply)  # type: ignore[arg-type]
+                except StopIteration as e:
+                    result = e.value
+                    break
+                self._post(step, seq, opcode, root)
+                reply = yield from self._collect(step, seq, deadline, t, name)
+            self.last = f"{name} #{seq}"
+            return result
+        except GeneratorExit:
+            self.brk(GroupBrokenError(f"{name} #{seq} on group {self.name!r} was cancelled on "
+                                      f"rank {self.rank}"))
+            raise
+        except BaseException as e:  # the ranks are out of step now
+            self.brk(e)
+            raise
+        finally:
+            self.active = None
+            self.mismatch = None
+            self.waiting_for = []
+            self.leave()
+
+    def _post(self, step: _plans.Step, seq: int, opcode: int, root: int) -> None:
+        cache: dict[int, list[Any]] = {}
+        for dst, obj in step.sends:
+            frames = cache.get(id(obj))
+            if frames is None:
+                payload, bufs = self._encode(obj)
+                msg = w.Message(w.COLL, self.rank, self.group_id, seq, step.round, opcode, root,
+                                self.codec, payload, bufs)
+                frames = cache[id(obj)] = w.encode(msg, self.key)
+            self.ep.send(dst, frames)
+            self.sent += 1
+
+    def _collect(self, step: _plans.Step, seq: int, deadline: float, t: float, name: str) -> Wait:
+        if not step.recvs:
+            return {}
+        box = self.box
+        probe_at = deadline - min(PROBE_GRACE, t / 10)
+        probed = False
+        while True:
+            self.pump()
+            if self.mismatch is not None:
+                raise self.mismatch
+            if self.state == "broken":
+                raise self.cause  # type: ignore[misc]
+            missing = [s for s in step.recvs if (seq, step.round, s) not in box]
+            if not missing:
+                return {s: self._decode(box.pop((seq, step.round, s)), f"{name} #{seq}")
+                        for s in step.recvs}
+            self.waiting_for = missing
+            lost = [s for s in missing if s in self.gone]
+            if lost:
+                raise PeerLostError(
+                    f"{name} #{seq} on group {self.name!r} cannot complete on rank {self.rank}: "
+                    + "; ".join(f"rank {s} {self.gone[s]}" for s in lost), ranks=lost)
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout(name, seq, t, missing)
+            if not probed and now >= probe_at:
+                probed = True
+                for s in missing:
+                    self.status.pop(s, None)
+                    self._send_raw(s, w.STATUS_REQ, b"")
+            yield (deadline if probed else probe_at) - now
+
+    def _timeout(self, name: str, seq: int | None, t: float, missing: list[int]
+                 ) -> CollectiveTimeoutError:
+        states = {s: self.status.get(s, "did not answer (not in a ctrlcomm call, or stuck)")
+                  for s in missing}
+        what = f"{name} #{seq}" if seq is not None else name
+        detail = "; ".join(f"rank {s}: {v}" for s, v in states.items())
+        return CollectiveTimeoutError(
+            f"{what} on group {self.name!r} timed out after {t:g} s on rank {self.rank} "
+            f"waiting for ranks {missing} ({detail})",
+            op=name, seq=seq, group=self.name, waiting_for=missing, peer_states=states)
+
+    # ------------------------------------------------------------------ point to point
+
+    def send(self, obj: Any, dst: int, tag: int) -> None:
+        self.enter("send")
+        try:
+            payload, bufs = self._encode(obj)
+            msg = w.Message(w.P2P, self.rank, self.group_id, 0, tag, 0, w.NO_ROOT, self.codec,
+                            payload, bufs)
+            self.ep.send(dst, w.encode(msg, self.key))
+            self.sent += 1
+        finally:
+            self.leave()
+
+    def recv(self, src: int, tag: int, timeout: float | None) -> Wait:
+        self.enter("recv")
+        t = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + t
+        self.active = (f"recv(src={src}, tag={tag})", -1, 0, w.NO_ROOT)
+        probe_at = deadline - min(PROBE_GRACE, t / 10)
+        probed = False
+        try:
+            while True:
+                self.pump()
+                q = self.p2p.get((src, tag))
+                if q:
+                    m = q.popleft()
+                    if not q:
+                        del self.p2p[(src, tag)]
+                    return self._decode(m, f"recv(src={src}, tag={tag})")
+                if self.state == "broken":
+                    raise GroupBrokenError(str(self.cause)) from self.cause
+                self.waiting_for = [src]
+                if src in self.gone:
+                    raise PeerLostError(f"recv(src={src}, tag={tag}) on group {self.name!r}: "
+                                        f"rank {src} {self.gone[src]}", ranks=[src])
+                now = time.monotonic()
+                if now >= deadline:
+                    raise self._timeout(f"recv(src={src}, tag={tag})", None, t, [src])
+                if not probed and now >= probe_at:
+                    probed = True
+                    self.status.pop(src, None)
+                    self._send_raw(src, w.STATUS_REQ, b"")
+                yield (deadline if probed else probe_at) - now
+        finally:
+            self.active = None
+            self.waiting_for = []
+            self.leave()
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self.state == "closed":
+            return
+        was_open = self.state == "open"
+        self.state = "closed"
+        if was_open:
+            for p in range(self.size):
+                if p != self.rank and p not in self.gone:
+                    self._send_raw(p, w.BYE, b"")
+        self.ep.close()
+
+    def abort(self, reason: str) -> None:
+        for p in range(self.size):
+            if p != self.rank and p not in self.gone:
+                self._send_raw(p, w.ABORT, reason.encode())
+        self.brk(GroupBrokenError(f"group {self.name!r} was aborted by rank {self.rank} "
+                                  f"(this rank): {reason}"))
+
+
+def run_sync(core: Core, gen: Wait) -> Any:
+    """Blocking driver: run ``gen`` in this thread, sleeping in ``zmq_poll`` when it waits."""
+    try:
+        delay = next(gen)
+        while True:
+            core.ep.wait(delay)
+            delay = gen.send(None)
+    except StopIteration as e:
+        return e.value
+
+
+async def run_async(core: Core, gen: Wait) -> Any:
+    """Asyncio driver: as :func:`run_sync`, but waits through the event loop."""
+    try:
+        delay = next(gen)
+        while True:
+            try:
+                await core.ep.wait_async(delay)
+            except BaseException:  # cancelled: let the generator record what that means
+                gen.close()
+                raise
+            delay = gen.send(None)
+    except StopIteration as e:
+        return e.value
+
+
+__all__ = ["Core", "run_sync", "run_async", "asyncio"]

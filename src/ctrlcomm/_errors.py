@@ -1,0 +1,119 @@
+"""The one exception hierarchy of ctrlcomm.
+
+::
+
+    CtrlcommError
+    ├── InvalidArgumentError (also ValueError)   bad input, raised before anything is sent
+    ├── CollectiveTimeoutError (also TimeoutError) a deadline passed; names op, seq, missing ranks
+    ├── MismatchError                             ranks called different collectives at one point
+    ├── ReductionError (also ValueError)          a reduction failed on some rank (all ranks raise)
+    ├── ConcurrentUseError (also RuntimeError)    a second thread / coroutine entered a busy group
+    ├── GroupClosedError                          you closed it
+    ├── GroupBrokenError                          a peer, a timeout or an abort broke it
+    │   └── PeerLostError                         a peer died, stopped or became unreachable
+    ├── FormationError                            the group could not be formed
+    │   └── FormationTimeoutError (also TimeoutError)  names the ranks that never joined
+    ├── StoreError                                rendezvous store failures
+    │   └── StoreTimeoutError (also TimeoutError)
+    └── CodecError (also TypeError)               an object the group's codec cannot encode
+
+``WireError`` is internal: the wire decoder raises it for any malformed frame and the
+mailbox counts and drops such frames; it never reaches user code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CtrlcommError(Exception):
+    """Base of every error ctrlcomm raises."""
+
+
+class InvalidArgumentError(CtrlcommError, ValueError):
+    """An argument was invalid. Raised before anything is sent: the group still works."""
+
+
+class CollectiveTimeoutError(CtrlcommError, TimeoutError):
+    """A call did not complete before its deadline.
+
+    Attributes:
+        op: the operation (``"all_reduce"``, ``"recv"``, ...).
+        seq: its sequence number on the group (``None`` for point-to-point).
+        group: the group's name.
+        waiting_for: ranks this rank was still waiting for.
+        peer_states: what each of those peers said it was doing, where it answered.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str = "",
+        seq: int | None = None,
+        group: str = "",
+        waiting_for: Sequence[int] = (),
+        peer_states: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.seq = seq
+        self.group = group
+        self.waiting_for = list(waiting_for)
+        self.peer_states = dict(peer_states or {})
+
+
+class MismatchError(CtrlcommError):
+    """Ranks called different collectives (or different roots) at the same point."""
+
+
+class ReductionError(CtrlcommError, ValueError):
+    """A reduction failed (shapes or types did not fit). Every rank of the call raises it."""
+
+
+class ConcurrentUseError(CtrlcommError, RuntimeError):
+    """A group was entered by a second thread or coroutine while busy."""
+
+
+class GroupClosedError(CtrlcommError):
+    """The group was closed by this process."""
+
+
+class GroupBrokenError(CtrlcommError):
+    """The group can no longer be used: a timeout, mismatch, cancel, abort or lost peer."""
+
+
+class PeerLostError(GroupBrokenError):
+    """A peer died, stopped answering or became unreachable."""
+
+    def __init__(self, message: str, *, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class FormationError(CtrlcommError):
+    """The group could not be formed (duplicate rank, store unreachable, ...)."""
+
+
+class StoreError(CtrlcommError):
+    """The rendezvous store failed or refused a request."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A store request did not complete before its deadline."""
+
+
+class CodecError(CtrlcommError, TypeError):
+    """An object could not be encoded by the group's codec."""
+
+
+class WireError(Exception):
+    """Internal: a frame is malformed. Never raised into user code."""
+
+
+class FormationTimeoutError(FormationError, TimeoutError):
+    """Not every rank joined the group before the deadline."""
+
+    def __init__(self, message: str, *, missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing = list(missing)

@@ -1,0 +1,625 @@
+"""Groups: formation through the store, and the blocking and asyncio views.
+
+Every call is described once by a ``_spec_*`` function (validation, plan, op code, result
+post-processing); :class:`Group` runs it with the blocking driver and :class:`AioGroup` with the
+asyncio driver. Both views share one :class:`ctrlcomm._core.Core`, hence one sequence counter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from . import _ops, _plans
+from . import _wire as w
+from ._core import Core, run_async, run_sync
+from ._errors import (
+    FormationError,
+    FormationTimeoutError,
+    InvalidArgumentError,
+    ReductionError,
+    StoreError,
+    StoreTimeoutError,
+)
+from ._store import StoreClient
+from ._transport import Endpoint, StoreServer, check_bind_host, local_address_for
+
+# World sizes up to which the one-round (flat) variants are used: at these sizes one hop with
+# N-1 messages beats log2(N) hops of one message each (see `ctrlcomm bench`).
+FLAT_ALL_REDUCE_MAX = 4
+FLAT_ALL_GATHER_MAX = 4
+# Above this payload size, the flat variants' N-1 copies cost more than the extra hops.
+FLAT_MAX_BYTES = 64 * 1024
+
+CODECS = {"pickle": w.PICKLE, "msgpack": w.MSGPACK}
+
+
+# ------------------------------------------------------------------------- call specs
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    name: str
+    plan: Callable[[_plans.Ctx], _plans.Plan]
+    opcode: int
+    root: int = w.NO_ROOT
+    finish: Callable[[Any], Any] | None = None
+
+
+def _rank_arg(core: Core, value: Any, what: str, op: str) -> int:
+    try:
+        r = operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{op} on rank {core.rank}: {what} must be an int, got {value!r}") from None
+    if not 0 <= r < core.size or isinstance(value, bool):
+        raise InvalidArgumentError(
+            f"{op} on rank {core.rank}: {what}={value!r} is not a rank of group {core.name!r} "
+            f"(world size {core.size})")
+    return r
+
+
+def _timeout_arg(timeout: float | None, op: str) -> float | None:
+    if timeout is None:
+        return None
+    t = float(timeout)
+    if not t > 0:
+        raise InvalidArgumentError(f"{op}: timeout must be > 0 seconds, got {timeout!r}")
+    return t
+
+
+def _tag_arg(core: Core, tag: Any, op: str) -> int:
+    try:
+        t = operator.index(tag)
+    except TypeError:
+        raise InvalidArgumentError(f"{op} on rank {core.rank}: tag must be an int, "
+                                   f"got {tag!r}") from None
+    if not -(1 << 63) <= t < (1 << 63):
+        raise InvalidArgumentError(f"{op} on rank {core.rank}: tag {t} out of range (int64)")
+    return t
+
+
+def _per_rank(core: Core, objs: Any, op: str) -> list[Any]:
+    if isinstance(objs, (str, bytes)) or not isinstance(objs, Sequence):
+        raise InvalidArgumentError(
+            f"{op} on rank {core.rank}: objs must be a sequence of {core.size} objects (one "
+            f"per rank), got {type(objs).__name__}")
+    if len(objs) != core.size:
+        raise InvalidArgumentError(
+            f"{op} on rank {core.rank}: objs has {len(objs)} objects, group {core.name!r} has "
+            f"{core.size} ranks (one object per rank)")
+    return list(objs)
+
+
+def _flat_ok(obj: Any) -> bool:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return memoryview(obj).nbytes <= FLAT_MAX_BYTES
+    nbytes = getattr(obj, "nbytes", None)
+    return not (isinstance(nbytes, int) and nbytes > FLAT_MAX_BYTES)
+
+
+def _spec_barrier(core: Core) -> _Call:
+    return _Call("barrier", _plans.barrier, w.OP_CODE["barrier"])
+
+
+def _spec_broadcast(core: Core, obj: Any, src: int) -> _Call:
+    root = _rank_arg(core, src, "src", "broadcast")
+    return _Call("broadcast", lambda c: _plans.broadcast(c, obj, root), w.OP_CODE["broadcast"], root)
+
+
+def _spec_gather(core: Core, obj: Any, dst: int) -> _Call:
+    root = _rank_arg(core, dst, "dst", "gather")
+    return _Call("gather", lambda c: _plans.gather(c, obj, root), w.OP_CODE["gather"], root)
+
+
+def _spec_all_gather(core: Core, obj: Any) -> _Call:
+    flat = core.size <= FLAT_ALL_GATHER_MAX and _flat_ok(obj)
+    plan = _plans.all_gather_flat if flat else _plans.all_gather_bruck
+    return _Call("all_gather", lambda c: plan(c, obj), w.OP_CODE["all_gather"])
+
+
+def _spec_scatter(core: Core, objs: Any, src: int) -> _Call:
+    root = _rank_arg(core, src, "src", "scatter")
+    mine = _per_rank(core, objs, "scatter") if core.rank == root else None
+    return _Call("scatter", lambda c: _plans.scatter(c, mine, root), w.OP_CODE["scatter"], root)
+
+
+def _reduction(core: Core, name: str, obj: Any, op: Any) -> tuple[Callable[[Any, Any], Any], int]:
+    combine = _ops.resolve(op, name, core.rank)
+    _ops.check_operand(op, obj, name, core.rank)
+    red = len(_ops.NAMED_OPS) + 1 if callable(op) else _ops.NAMED_OPS.index(op) + 1
+    return _ops.safe(combine), w.OP_CODE[name] | (red << 4)
+
+
+def _raise_failed(name: str, core: Core, result: Any) -> Any:
+    if isinstance(result, _ops.Failed):
+        raise ReductionError(f"{name} on group {core.name!r} failed (raised on every rank): "
+                             f"{result.message}")
+    return result
+
+
+def _spec_reduce(core: Core, obj: Any, op: Any, dst: int) -> _Call:
+    root = _rank_arg(core, dst, "dst", "reduce")
+    combine, code = _reduction(core, "reduce", obj, op)
+
+    def finish(r: Any) -> Any:
+        return _raise_failed("reduce", core, r) if core.rank == root else None
+
+    return _Call("reduce", lambda c: _plans.reduce(c, obj, combine, root), code, root, finish)
+
+
+def _spec_all_reduce(core: Core, obj: Any, op: Any) -> _Call:
+    combine, code = _reduction(core, "all_reduce", obj, op)
+    flat = core.size <= FLAT_ALL_REDUCE_MAX and _flat_ok(obj)
+    plan = _plans.all_reduce_flat if flat else _plans.all_reduce_doubling
+    return _Call("all_reduce", lambda c: plan(c, obj, combine), code,
+                 finish=partial(_raise_failed, "all_reduce", core))
+
+
+def _spec_all_to_all(core: Core, objs: Any) -> _Call:
+    mine = _per_rank(core, objs, "all_to_all")
+    return _Call("all_to_all", lambda c: _plans.all_to_all(c, mine), w.OP_CODE["all_to_all"])
+
+
+def _run_sync(core: Core, call: _Call, timeout: float | None) -> Any:
+    t = _timeout_arg(timeout, call.name)
+    r = run_sync(core, core.collective(call.name, call.plan, opcode=call.opcode, root=call.root,
+                                       timeout=t))
+    return call.finish(r) if call.finish else r
+
+
+async def _run_async(core: Core, call: _Call, timeout: float | None) -> Any:
+    t = _timeout_arg(timeout, call.name)
+    r = await run_async(core, core.collective(call.name, call.plan, opcode=call.opcode,
+                                              root=call.root, timeout=t))
+    return call.finish(r) if call.finish else r
+
+
+# ------------------------------------------------------------------------ store hosting
+
+_servers: dict[tuple[str, int], list[Any]] = {}  # (host, port) -> [server, refcount]
+_servers_lock = threading.Lock()
+
+
+def _acquire_server(host: str, port: int) -> StoreServer:
+    with _servers_lock:
+        entry = _servers.get((host, port))
+        if entry is not None and entry[0].pid == os.getpid():
+            entry[1] += 1
+            return entry[0]  # type: ignore[no-any-return]
+        srv = StoreServer(host, port)
+        srv.pid = os.getpid()  # type: ignore[attr-defined]
+        _servers[(host, port)] = [srv, 1]
+        return srv
+
+
+def _release_server(host: str, port: int) -> None:
+    with _servers_lock:
+        entry = _servers.get((host, port))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _servers[(host, port)]
+            entry[0].close()
+
+
+def _group_id(name: str, nonce: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{name}\0{nonce}".encode(), digest_size=8).digest(),
+                          "little")
+
+
+def _validate_world(rank: Any, world_size: Any) -> tuple[int, int]:
+    try:
+        ws = operator.index(world_size)
+    except TypeError:
+        raise InvalidArgumentError(f"world_size must be an int, got {world_size!r}") from None
+    if ws < 1:
+        raise InvalidArgumentError(f"world_size must be >= 1, got {ws}")
+    try:
+        r = operator.index(rank)
+    except TypeError:
+        raise InvalidArgumentError(f"rank must be an int, got {rank!r}") from None
+    if not 0 <= r < ws:
+        raise InvalidArgumentError(f"rank {r} is out of range for world_size {ws} "
+                                   f"(ranks are 0..{ws - 1})")
+    return r, ws
+
+
+# ------------------------------------------------------------------------------- groups
+
+
+class Group:
+    """A group of ranks with object collectives and point-to-point messages.
+
+    Made with :meth:`create` (or :meth:`from_env`), never global: a process may hold several
+    groups, overlapping or nested. All ranks call collectives in the same order. Every call
+    takes ``timeout=`` in seconds (the group's default otherwise).
+
+    Failure semantics (what a failed call leaves behind): a bad argument raises
+    :class:`InvalidArgumentError` before anything is sent, and the group still works; a failed
+    reduction raises :class:`ReductionError` on every rank and the group still works; a
+    timeout, mismatch, lost peer, abort or cancelled awaited collective leaves the group
+    *broken*: every later call raises :class:`GroupBrokenError` naming the first cause. A
+    ``recv`` that times out or is cancelled leaves the group working.
+
+    The blocking methods run in the caller's thread; ``group.aio`` offers the same methods as
+    coroutines, driven by the running event loop. Both share one sequence counter, so blocking
+    and awaited calls may be mixed. A group is used by one thread (or coroutine) at a time: a
+    second caller while one is inside gets :class:`ConcurrentUseError`.
+    """
+
+    def __init__(self, core: Core, *, store: StoreClient | None, server: StoreServer | None,
+                 server_key: tuple[str, int] | None) -> None:
+        self._core = core
+        self.store = store
+        self._server = server
+        self._server_key = server_key
+        self.aio = AioGroup(self)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def create(
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        name: str = "default",
+        timeout: float = 300.0,
+        host_store: bool | None = None,
+        bind_host: str | None = None,
+        codec: str = "pickle",
+        auth_key: bytes | str | None = None,
+    ) -> Group:
+        """Form a group through the store at ``(host, port)``.
+
+        Args:
+            host: the store's address. By default rank 0 hosts the store there.
+            port: the store's port.
+            rank: this process's rank, ``0 <= rank < world_size``.
+            world_size: number of ranks.
+            name: the group's name; several groups can share one store under distinct names.
+            timeout: default deadline of every call, and of formation, in seconds.
+            host_store: whether this rank hosts the store (default: rank 0 does).
+            bind_host: the address to bind this rank's socket to (default: the interface
+                this machine uses to reach ``host``; ``"0.0.0.0"`` is an explicit opt-in).
+            codec: ``"pickle"`` (default) or ``"msgpack"`` (data only, never unpickles).
+            auth_key: reserved for authenticated groups.
+
+        Raises:
+            InvalidArgumentError: bad rank, world size, name, timeout or codec.
+            StoreError: the store's port is in use (naming the address) or it is unreachable.
+            FormationTimeoutError: not every rank joined within ``timeout``; names them.
+            FormationError: another process already joined with this rank.
+        """
+        rank, world_size = _validate_world(rank, world_size)
+        if not isinstance(name, str) or not name or "/" in name or "\n" in name:
+            raise InvalidArgumentError(f"group name must be a non-empty str without '/' or "
+                                       f"newlines, got {name!r}")
+        t = _timeout_arg(timeout, "Group.create")
+        assert t is not None
+        if codec not in CODECS:
+            raise InvalidArgumentError(f"unknown codec {codec!r}; use one of {sorted(CODECS)}")
+        try:
+            port = operator.index(port)
+        except TypeError:
+            raise InvalidArgumentError(f"port must be an int, got {port!r}") from None
+        if not 0 < port < 65536:
+            raise InvalidArgumentError(f"port must be in 1..65535, got {port}")
+        key = auth_key.encode() if isinstance(auth_key, str) else auth_key
+        if host_store is None:
+            host_store = rank == 0
+        deadline = time.monotonic() + t
+        server = _acquire_server(host, port) if host_store else None
+        store = ep = None
+        try:
+            store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/")
+            if bind_host is None:
+                bind_host = local_address_for(host, port)
+            else:
+                check_bind_host(bind_host)
+            ep = Endpoint(bind_host)
+            nonce, peers = _rendezvous(store, ep.address, rank, world_size, name, deadline)
+            ep.set_peers(peers)
+            core = Core(name=name, rank=rank, size=world_size, group_id=_group_id(name, nonce),
+                        endpoint=ep, codec=CODECS[codec], key=key or None, timeout=t)
+        except BaseException:
+            if ep is not None:
+                ep.close()
+            if store is not None:
+                store.close()
+            if server is not None:
+                _release_server(host, port)
+            raise
+        return cls(core, store=store, server=server,
+                   server_key=(host, port) if server is not None else None)
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> Group:
+        """Form a group from ``CTRLCOMM_HOST``, ``CTRLCOMM_PORT``, ``CTRLCOMM_RANK``,
+        ``CTRLCOMM_WORLD_SIZE`` (and optional ``CTRLCOMM_NAME``, ``CTRLCOMM_TIMEOUT``), each
+        falling back to torchrun's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``.
+
+        Note that torch.distributed's own store also listens on ``MASTER_PORT`` when it is
+        initialized from the same variables: set ``CTRLCOMM_PORT`` to another port then.
+        Keyword arguments are passed on to :meth:`create`.
+        """
+        env = os.environ
+
+        def pick(mine: str, torchrun: str) -> str:
+            v = env.get(mine) or env.get(torchrun)
+            if not v:
+                raise InvalidArgumentError(f"Group.from_env: set {mine} (or {torchrun})")
+            return v
+
+        vals = {}
+        for mine, theirs in (("CTRLCOMM_PORT", "MASTER_PORT"), ("CTRLCOMM_RANK", "RANK"),
+                             ("CTRLCOMM_WORLD_SIZE", "WORLD_SIZE")):
+            raw = pick(mine, theirs)
+            try:
+                vals[mine] = int(raw)
+            except ValueError:
+                raise InvalidArgumentError(f"Group.from_env: {mine}/{theirs} must be an int, "
+                                           f"got {raw!r}") from None
+        host = pick("CTRLCOMM_HOST", "MASTER_ADDR")
+        if "CTRLCOMM_NAME" in env:
+            kwargs.setdefault("name", env["CTRLCOMM_NAME"])
+        if "CTRLCOMM_TIMEOUT" in env:
+            kwargs.setdefault("timeout", float(env["CTRLCOMM_TIMEOUT"]))
+        return cls.create(host, vals["CTRLCOMM_PORT"], vals["CTRLCOMM_RANK"],
+                          vals["CTRLCOMM_WORLD_SIZE"], **kwargs)
+
+    # -------------------------------------------------------------------- properties
+
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._core.size
+
+    size = world_size
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def timeout(self) -> float:
+        return self._core.timeout
+
+    @property
+    def closed(self) -> bool:
+        return self._core.state == "closed"
+
+    @property
+    def broken(self) -> bool:
+        return self._core.state == "broken"
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: messages sent and received, and frames dropped by reason."""
+        c = self._core
+        return {"sent": c.sent, "received": c.received, "dropped": dict(c.dropped),
+                "seq": c.seq, "state": c.state}
+
+    def __repr__(self) -> str:
+        c = self._core
+        return f"<ctrlcomm.Group {c.name!r} rank {c.rank}/{c.size} {c.state} at {c.ep.address}>"
+
+    # ------------------------------------------------------------------- collectives
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Return once every rank has entered the barrier."""
+        _run_sync(self._core, _spec_barrier(self._core), timeout)
+
+    def broadcast(self, obj: Any, src: int = 0, *, timeout: float | None = None) -> Any:
+        """``src``'s ``obj`` on every rank (``obj`` is ignored elsewhere)."""
+        return _run_sync(self._core, _spec_broadcast(self._core, obj, src), timeout)
+
+    def gather(self, obj: Any, dst: int = 0, *, timeout: float | None = None) -> list[Any] | None:
+        """The list of every rank's ``obj`` (in rank order) on ``dst``; ``None`` elsewhere."""
+        return _run_sync(self._core, _spec_gather(self._core, obj, dst), timeout)  # type: ignore[no-any-return]
+
+    def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        """The list of every rank's ``obj``, in rank order, on every rank."""
+        return _run_sync(self._core, _spec_all_gather(self._core, obj), timeout)  # type: ignore[no-any-return]
+
+    def scatter(self, objs: Sequence[Any] | None, src: int = 0, *,
+                timeout: float | None = None) -> Any:
+        """Rank ``i`` gets ``objs[i]`` from ``src``; ``objs`` matters only on ``src``."""
+        return _run_sync(self._core, _spec_scatter(self._core, objs, src), timeout)
+
+    def reduce(self, obj: Any, op: _ops.Op = "sum", dst: int = 0, *,
+               timeout: float | None = None) -> Any:
+        """Every rank's ``obj`` combined by ``op`` on ``dst``; ``None`` elsewhere."""
+        return _run_sync(self._core, _spec_reduce(self._core, obj, op, dst), timeout)
+
+    def all_reduce(self, obj: Any, op: _ops.Op = "sum", *, timeout: float | None = None) -> Any:
+        """Every rank's ``obj`` combined by ``op`` (element-wise for tuples/lists), everywhere.
+
+        ``op`` is one of ``"sum" "prod" "max" "min" "band" "bor" "land" "lor"`` or a callable
+        ``f(a, b)`` that is associative and commutative. Every rank gets the same result
+        (ranks combine in the same order).
+        """
+        return _run_sync(self._core, _spec_all_reduce(self._core, obj, op), timeout)
+
+    def all_to_all(self, objs: Sequence[Any], *, timeout: float | None = None) -> list[Any]:
+        """Rank ``i`` sends ``objs[j]`` to rank ``j``; returns what each rank sent to this one."""
+        return _run_sync(self._core, _spec_all_to_all(self._core, objs), timeout)  # type: ignore[no-any-return]
+
+    # ---------------------------------------------------------------- point to point
+
+    def send(self, obj: Any, dst: int, tag: int = 0) -> None:
+        """Queue ``obj`` for ``dst`` and return at once (messages per (src, tag) stay in order)."""
+        c = self._core
+        d = _rank_arg(c, dst, "dst", "send")
+        if d == c.rank:
+            raise InvalidArgumentError(f"send on rank {c.rank}: dst is this rank")
+        c.send(obj, d, _tag_arg(c, tag, "send"))
+
+    def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
+        """The next object ``src`` sent to this rank with ``tag``."""
+        c = self._core
+        s = _rank_arg(c, src, "src", "recv")
+        if s == c.rank:
+            raise InvalidArgumentError(f"recv on rank {c.rank}: src is this rank")
+        return run_sync(c, c.recv(s, _tag_arg(c, tag, "recv"), _timeout_arg(timeout, "recv")))
+
+    # -------------------------------------------------------------------- lifecycle
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Break the group here and tell the peers, whose pending calls fail naming this rank."""
+        self._core.abort(str(reason))
+
+    def close(self) -> None:
+        """Close the group (idempotent; never blocks). Peers waiting on this rank fail fast."""
+        self._core.close()
+        if self.store is not None:
+            self.store.close()
+        if self._server_key is not None:
+            key, self._server_key = self._server_key, None
+            _release_server(*key)
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AioGroup:
+    """The asyncio view of a :class:`Group` (``group.aio``): the same calls, awaited.
+
+    Waiting goes through the running event loop (a reader on the socket's descriptor): other
+    coroutines keep running while a call waits. Cancelling an awaited collective breaks the
+    group (peers may have taken part of it); cancelling ``recv`` leaves it working.
+    """
+
+    def __init__(self, group: Group) -> None:
+        self._group = group
+        self._core = group._core
+
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._core.size
+
+    async def barrier(self, *, timeout: float | None = None) -> None:
+        await _run_async(self._core, _spec_barrier(self._core), timeout)
+
+    async def broadcast(self, obj: Any, src: int = 0, *, timeout: float | None = None) -> Any:
+        return await _run_async(self._core, _spec_broadcast(self._core, obj, src), timeout)
+
+    async def gather(self, obj: Any, dst: int = 0, *,
+                     timeout: float | None = None) -> list[Any] | None:
+        return await _run_async(self._core, _spec_gather(self._core, obj, dst), timeout)  # type: ignore[no-any-return]
+
+    async def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        return await _run_async(self._core, _spec_all_gather(self._core, obj), timeout)  # type: ignore[no-any-return]
+
+    async def scatter(self, objs: Sequence[Any] | None, src: int = 0, *,
+                      timeout: float | None = None) -> Any:
+        return await _run_async(self._core, _spec_scatter(self._core, objs, src), timeout)
+
+    async def reduce(self, obj: Any, op: _ops.Op = "sum", dst: int = 0, *,
+                     timeout: float | None = None) -> Any:
+        return await _run_async(self._core, _spec_reduce(self._core, obj, op, dst), timeout)
+
+    async def all_reduce(self, obj: Any, op: _ops.Op = "sum", *,
+                         timeout: float | None = None) -> Any:
+        return await _run_async(self._core, _spec_all_reduce(self._core, obj, op), timeout)
+
+    async def all_to_all(self, objs: Sequence[Any], *,
+                         timeout: float | None = None) -> list[Any]:
+        return await _run_async(self._core, _spec_all_to_all(self._core, objs), timeout)  # type: ignore[no-any-return]
+
+    async def send(self, obj: Any, dst: int, tag: int = 0) -> None:
+        self._group.send(obj, dst, tag)
+
+    async def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
+        c = self._core
+        s = _rank_arg(c, src, "src", "recv")
+        if s == c.rank:
+            raise InvalidArgumentError(f"recv on rank {c.rank}: src is this rank")
+        return await run_async(c, c.recv(s, _tag_arg(c, tag, "recv"),
+                                         _timeout_arg(timeout, "recv")))
+
+
+# ---------------------------------------------------------------------------- rendezvous
+
+
+def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: str,
+                deadline: float) -> tuple[str, dict[int, str]]:
+    """Publish this rank's address; return (nonce, {rank: address}) of the formed group.
+
+    Rank 0 waits for every rank's key, publishes the table (nonce and addresses, plain text:
+    nothing here is ever unpickled) and, once every rank has read it, deletes the group's keys.
+    """
+
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.001)
+
+    ok, held = store.set_if_absent(f"rank/{rank}", address, timeout=left())
+    if not ok:
+        raise FormationError(
+            f"group {name!r}: rank {rank} already joined from {held.decode(errors='replace')} "
+            "(two processes with one rank, or a stale key of an earlier group of that name: "
+            "use another name or a fresh store)")
+    keys = [f"rank/{r}" for r in range(size)]
+    if rank == 0:
+        try:
+            store.wait(keys, timeout=left())
+        except StoreTimeoutError:
+            have = store.exists(keys, timeout=5.0)
+            missing = [r for r, h in enumerate(have) if not h]
+            raise FormationTimeoutError(
+                f"group {name!r} not formed: ranks {missing} did not join within the timeout",
+                missing=missing) from None
+        addrs = [a.decode() for a in store.multi_get(keys, timeout=left())]
+        nonce = os.urandom(8).hex()
+        store.set("table", "\n".join([nonce, *addrs]), timeout=left())
+        if size > 1:
+            try:
+                store.wait(["done"], timeout=left())
+            except StoreTimeoutError:
+                raise FormationTimeoutError(
+                    f"group {name!r} not formed: not every rank read the address table in time"
+                ) from None
+        store.delete_prefix("", timeout=left())
+        return nonce, dict(enumerate(addrs))
+    while True:
+        try:
+            lines = store.get("table", timeout=left()).decode().split("\n")
+        except StoreTimeoutError:
+            have = store.exists(keys, timeout=5.0)
+            missing = [r for r, h in enumerate(have) if not h]
+            raise FormationTimeoutError(
+                f"group {name!r} not formed within the timeout on rank {rank}: "
+                + (f"ranks {missing} did not join" if missing else "rank 0 published no table"),
+                missing=missing) from None
+        if len(lines) == size + 1 and lines[1 + rank] == address:
+            break
+        if time.monotonic() >= deadline:  # a stale table of an earlier group of that name
+            raise FormationError(f"group {name!r}: the store holds a table that does not "
+                                 f"match this group (rank {rank})")
+        time.sleep(0.05)
+    if store.add("acks", 1, timeout=left()) == size - 1:
+        store.set("done", "1", timeout=left())
+    return lines[0], dict(enumerate(lines[1:]))
+
+
+__all__ = ["Group", "AioGroup", "StoreError"]

@@ -1,0 +1,157 @@
+"""Reduction operators: named element-wise ops and user callables.
+
+A named op applies to numbers, to tuples/lists of them (element-wise, container type kept,
+nested containers too), and to numpy arrays or torch tensors. Python ints keep arbitrary size.
+
+A failed combination does not raise inside the algorithm: it becomes a :class:`Failed` value
+that absorbs everything it is combined with, so every rank still runs the whole message
+pattern of the collective (the group stays in step) and then raises the same error.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from ._errors import InvalidArgumentError
+
+NAMED_OPS = ("sum", "prod", "max", "min", "band", "bor", "land", "lor")
+Op = str | Callable[[Any, Any], Any]
+
+
+class Failed:
+    """A reduction that failed somewhere; carries the first error message."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Failed, (self.message,))
+
+
+def _array_module(x: Any) -> Any:
+    mod = type(x).__module__.split(".", 1)[0]
+    if mod == "torch":
+        import torch
+
+        return torch
+    if mod == "numpy":
+        import numpy
+
+        return numpy
+    return None
+
+
+def _maximum(a: Any, b: Any) -> Any:
+    m = _array_module(a) or _array_module(b)
+    return m.maximum(a, b) if m is not None else (a if a >= b else b)
+
+
+def _minimum(a: Any, b: Any) -> Any:
+    m = _array_module(a) or _array_module(b)
+    return m.minimum(a, b) if m is not None else (a if a <= b else b)
+
+
+def _logical(name: str) -> Callable[[Any, Any], Any]:
+    py = (lambda a, b: bool(a) and bool(b)) if name == "and" else (lambda a, b: bool(a) or bool(b))
+
+    def f(a: Any, b: Any) -> Any:
+        m = _array_module(a) or _array_module(b)
+        if m is not None:
+            return getattr(m, f"logical_{name}")(a, b)
+        r = py(a, b)
+        # MPI semantics: a logical op on ints gives 0/1 of the same type; on bools a bool.
+        return r if isinstance(a, bool) and isinstance(b, bool) else int(r)
+
+    return f
+
+
+_LEAF: dict[str, Callable[[Any, Any], Any]] = {
+    "sum": operator.add,
+    "prod": operator.mul,
+    "max": _maximum,
+    "min": _minimum,
+    "band": operator.and_,
+    "bor": operator.or_,
+    "land": _logical("and"),
+    "lor": _logical("or"),
+}
+
+
+def _elementwise(leaf: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    if isinstance(a, (tuple, list)):
+        if not isinstance(b, (tuple, list)):
+            raise TypeError(f"cannot combine a {type(a).__name__} with a {type(b).__name__}")
+        if len(a) != len(b):
+            raise ValueError(f"operands have different lengths ({len(a)} and {len(b)})")
+        return type(a)(_elementwise(leaf, x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(b, (tuple, list)):
+        raise TypeError(f"cannot combine a {type(a).__name__} with a {type(b).__name__}")
+    return leaf(a, b)
+
+
+def resolve(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:
+    """The combine function for ``op``; raises :class:`InvalidArgumentError` for bad ops."""
+    if callable(op):
+        user = op
+
+        def combine_user(a: Any, b: Any) -> Any:
+            return user(a, b)
+
+        return combine_user
+    if not isinstance(op, str) or op not in _LEAF:
+        raise InvalidArgumentError(
+            f"{opname} on rank {rank}: unknown op {op!r}; use one of {', '.join(NAMED_OPS)} "
+            "or a callable f(a, b)"
+        )
+    leaf = _LEAF[op]
+
+    def combine(a: Any, b: Any) -> Any:
+        return _elementwise(leaf, a, b)
+
+    return combine
+
+
+def check_operand(op: Op, value: Any, opname: str, rank: int) -> None:
+    """Reject, before anything is sent, a local value a named op cannot reduce."""
+    if callable(op):
+        return
+    integral = op in ("band", "bor")
+
+    def walk(v: Any) -> None:
+        if isinstance(v, (tuple, list)):
+            for x in v:
+                walk(x)
+            return
+        if _array_module(v) is not None and hasattr(v, "dtype"):
+            return
+        ok = isinstance(v, numbers.Integral) if integral else isinstance(v, numbers.Number)
+        if not ok or (op in ("max", "min") and isinstance(v, numbers.Complex)
+                      and not isinstance(v, numbers.Real)):
+            need = "integers" if integral else "real numbers" if op in ("max", "min") else "numbers"
+            raise InvalidArgumentError(
+                f"{opname} on rank {rank}: op {op!r} needs {need} or tuples/lists of them, "
+                f"got {v!r} ({type(v).__name__})"
+            )
+
+    walk(value)
+
+
+def safe(combine: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """Wrap ``combine`` so errors become :class:`Failed` values instead of exceptions."""
+
+    def f(a: Any, b: Any) -> Any:
+        if isinstance(a, Failed):
+            return a
+        if isinstance(b, Failed):
+            return b
+        try:
+            return combine(a, b)
+        except Exception as e:  # the op is user code or user data: report, stay in step
+            return Failed(f"{type(e).__name__}: {e}")
+
+    return f

@@ -1,0 +1,228 @@
+"""Collective algorithms as I/O-free plans.
+
+Theory of operation: a plan is a generator. It yields :class:`Step` objects, each a batch of
+sends (destination, object) and a set of ranks to receive from in that step's round; the driver
+performs the sends, waits until one message from each listed rank has arrived for
+(this collective's seq, the step's round), and sends the generator a dict ``{src: object}``.
+The generator's return value is the collective's result. Plans never touch sockets or clocks,
+so the blocking driver, the asyncio driver and the in-memory simulator
+(:mod:`ctrlcomm.testing`) all run the very same code.
+
+Every algorithm is correct for any world size >= 1:
+
+- barrier: dissemination, ceil(log2 N) rounds of one message.
+- broadcast / scatter / gather / reduce: binomial trees rooted anywhere, ceil(log2 N) depth.
+- all_reduce: recursive doubling with the usual fold for non-powers of two (ranks beyond the
+  largest power of two hand their value to a partner first and get the result last), or a
+  flat one-round exchange for small worlds; every rank combines in the same order, so float
+  results are bitwise identical on all ranks.
+- all_gather: Bruck/dissemination, ceil(log2 N) rounds, or flat for small worlds.
+- all_to_all: one round of direct sends (each rank has N-1 distinct payloads to deliver).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Plan = Generator["Step", dict[int, Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Send these, then receive one message from each rank in ``recvs``, tagged ``round``."""
+
+    round: int
+    sends: tuple[tuple[int, Any], ...] = ()
+    recvs: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Ctx:
+    rank: int
+    size: int
+
+
+def _ceil_log2(n: int) -> int:
+    return (n - 1).bit_length()
+
+
+def barrier(ctx: Ctx) -> Plan:
+    n, r = ctx.size, ctx.rank
+    for k in range(_ceil_log2(n)):
+        d = 1 << k
+        yield Step(k, sends=(((r + d) % n, None),), recvs=((r - d) % n,))
+    return None
+
+
+def _tree_parent(vr: int, n: int) -> tuple[int, int]:
+    """(parent virtual rank or -1, mask of this node's subtree) in a binomial tree."""
+    mask = 1
+    while mask < n:
+        if vr & mask:
+            return vr - mask, mask
+        mask <<= 1
+    return -1, mask
+
+
+def _tree_children(vr: int, n: int, mask: int) -> list[int]:
+    """Children of ``vr``, largest subtree first."""
+    out = []
+    m = mask >> 1
+    while m > 0:
+        if vr + m < n:
+            out.append(vr + m)
+        m >>= 1
+    return out
+
+
+def broadcast(ctx: Ctx, obj: Any, root: int) -> Plan:
+    n = ctx.size
+    vr = (ctx.rank - root) % n
+    parent, mask = _tree_parent(vr, n)
+    if parent >= 0:
+        src = (parent + root) % n
+        got = yield Step(0, recvs=(src,))
+        obj = got[src]
+    kids = _tree_children(vr, n, mask)
+    if kids:
+        yield Step(0, sends=tuple(((c + root) % n, obj) for c in kids))
+    return obj
+
+
+def gather(ctx: Ctx, obj: Any, root: int) -> Plan:
+    n = ctx.size
+    vr = (ctx.rank - root) % n
+    parent, mask = _tree_parent(vr, n)
+    have: dict[int, Any] = {ctx.rank: obj}
+    kids = _tree_children(vr, n, mask)
+    if kids:
+        got = yield Step(0, recvs=tuple((c + root) % n for c in kids))
+        for part in got.values():
+            have.update(part)
+    if parent >= 0:
+        yield Step(0, sends=(((parent + root) % n, have),))
+        return None
+    return [have[i] for i in range(n)]
+
+
+def scatter(ctx: Ctx, objs: Sequence[Any] | None, root: int) -> Plan:
+    n = ctx.size
+    vr = (ctx.rank - root) % n
+    parent, mask = _tree_parent(vr, n)
+    if parent < 0:
+        assert objs is not None
+        mine = {v: objs[(v + root) % n] for v in range(n)}  # keyed by virtual rank
+    else:
+        src = (parent + root) % n
+        got = yield Step(0, recvs=(src,))
+        mine = got[src]
+    kids = _tree_children(vr, n, mask)
+    if kids:
+        sends = []
+        for c in kids:
+            span = c - vr  # child c owns virtual ranks [c, c + span)
+            sends.append(((c + root) % n, {v: mine[v] for v in range(c, min(c + span, n))}))
+        yield Step(0, sends=tuple(sends))
+    return mine[vr]
+
+
+def reduce(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: int) -> Plan:
+    n = ctx.size
+    vr = (ctx.rank - root) % n
+    parent, mask = _tree_parent(vr, n)
+    kids = _tree_children(vr, n, mask)
+    acc = obj
+    if kids:
+        got = yield Step(0, recvs=tuple((c + root) % n for c in kids))
+        # children in increasing virtual rank: acc covers [vr, ...) in rank order
+        for c in reversed(kids):
+            acc = combine(acc, got[(c + root) % n])
+    if parent >= 0:
+        yield Step(0, sends=(((parent + root) % n, acc),))
+        return None
+    return acc
+
+
+def all_reduce_flat(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> Plan:
+    n, r = ctx.size, ctx.rank
+    if n == 1:
+        return obj
+    peers = tuple(p for p in range(n) if p != r)
+    got = yield Step(0, sends=tuple((p, obj) for p in peers), recvs=peers)
+    got[r] = obj
+    acc = got[0]
+    for p in range(1, n):
+        acc = combine(acc, got[p])
+    return acc
+
+
+def all_reduce_doubling(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> Plan:
+    n, r = ctx.size, ctx.rank
+    if n == 1:
+        return obj
+    p = 1 << (n.bit_length() - 1)  # largest power of two <= n
+    rem = n - p
+    acc = obj
+    # fold: among the first 2*rem ranks, even ones hand their value to the next odd one
+    if r < 2 * rem:
+        if r % 2 == 0:
+            yield Step(0, sends=((r + 1, acc),))
+            got = yield Step(_ceil_log2(p) + 1, recvs=(r + 1,))
+            return got[r + 1]
+        got = yield Step(0, recvs=(r - 1,))
+        acc = combine(got[r - 1], acc)
+        newrank = r // 2
+    else:
+        newrank = r - rem
+
+    def real(nr: int) -> int:
+        return nr * 2 + 1 if nr < rem else nr + rem
+
+    mask, rnd = 1, 1
+    while mask < p:
+        partner = real(newrank ^ mask)
+        got = yield Step(rnd, sends=((partner, acc),), recvs=(partner,))
+        theirs = got[partner]
+        # lower block on the left: every rank combines in the same order
+        acc = combine(theirs, acc) if (newrank ^ mask) < newrank else combine(acc, theirs)
+        mask <<= 1
+        rnd += 1
+    if r < 2 * rem:
+        yield Step(_ceil_log2(p) + 1, sends=((r - 1, acc),))
+    return acc
+
+
+def all_gather_flat(ctx: Ctx, obj: Any) -> Plan:
+    n, r = ctx.size, ctx.rank
+    if n == 1:
+        return [obj]
+    peers = tuple(p for p in range(n) if p != r)
+    got = yield Step(0, sends=tuple((p, obj) for p in peers), recvs=peers)
+    got[r] = obj
+    return [got[i] for i in range(n)]
+
+
+def all_gather_bruck(ctx: Ctx, obj: Any) -> Plan:
+    n, r = ctx.size, ctx.rank
+    blocks = [obj]  # blocks[i] belongs to rank (r + i) % n
+    k = 0
+    while len(blocks) < n:
+        d = 1 << k
+        count = min(d, n - d)
+        dst, src = (r - d) % n, (r + d) % n
+        got = yield Step(k, sends=((dst, blocks[:count]),), recvs=(src,))
+        blocks.extend(got[src])
+        k += 1
+    return [blocks[(i - r) % n] for i in range(n)]
+
+
+def all_to_all(ctx: Ctx, objs: Sequence[Any]) -> Plan:
+    n, r = ctx.size, ctx.rank
+    if n == 1:
+        return [objs[0]]
+    peers = tuple(p for p in range(n) if p != r)
+    got = yield Step(0, sends=tuple((p, objs[p]) for p in peers), recvs=peers)
+    got[r] = objs[r]
+    return [got[i] for i in range(n)]

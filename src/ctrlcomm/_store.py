@@ -1,0 +1,284 @@
+"""Rendezvous store: a key-value state machine (pure) and its client.
+
+The store only forms groups (ranks publish their endpoints, rank 0 publishes the table); it is
+never the data plane. :class:`StoreState` is the server's logic with no sockets and no clock of
+its own (callers pass ``now``); :mod:`ctrlcomm._transport` runs it on a socket in a thread.
+Waiting requests (``get`` of missing keys, ``wait``) are parked until their keys exist or their
+deadline passes; the reply then says which keys were missing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from . import _wire as w
+from ._errors import StoreError, StoreTimeoutError
+
+# Limits that keep a misbehaving client from growing the server without bound.
+MAX_KEY = 4096
+MAX_VALUE = 16 * 1024 * 1024
+MAX_KEYS_STORED = 1_000_000
+MAX_WAITERS = 100_000
+
+
+@dataclass(slots=True)
+class _Waiter:
+    peer: bytes
+    req: w.StoreRequest
+    deadline: float
+
+
+class StoreState:
+    """The store's data and parked waiters. ``handle`` returns the replies to send now."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+        self.waiters: list[_Waiter] = []
+        self.requests = 0
+
+    def _missing(self, keys: Iterable[bytes]) -> list[bytes]:
+        return [k for k in keys if k not in self.data]
+
+    def _answer(self, peer: bytes, req: w.StoreRequest) -> tuple[bytes, w.StoreReply]:
+        if req.op == w.S_GET:
+            return peer, w.StoreReply(w.R_OK, req.req_id, tuple(self.data[k] for k in req.keys))
+        return peer, w.StoreReply(w.R_OK, req.req_id)
+
+    def handle(self, peer: bytes, req: w.StoreRequest, now: float) -> list[tuple[bytes, w.StoreReply]]:
+        self.requests += 1
+        try:
+            return self._handle(peer, req, now)
+        except _Refused as e:
+            return [(peer, w.StoreReply(w.R_ERROR, req.req_id, (str(e).encode(),)))]
+
+    def _handle(self, peer: bytes, req: w.StoreRequest, now: float) -> list[tuple[bytes, w.StoreReply]]:
+        op, keys, vals = req.op, req.keys, req.values
+        for k in keys:
+            if len(k) > MAX_KEY:
+                raise _Refused(f"key longer than {MAX_KEY} bytes")
+        for v in vals:
+            if len(v) > MAX_VALUE:
+                raise _Refused(f"value longer than {MAX_VALUE} bytes")
+        if op == w.S_PING:
+            return [(peer, w.StoreReply(w.R_OK, req.req_id))]
+        if op in (w.S_GET, w.S_WAIT):
+            if not self._missing(keys):
+                return [self._answer(peer, req)]
+            if req.timeout <= 0:
+                return [(peer, w.StoreReply(w.R_TIMEOUT, req.req_id, tuple(self._missing(keys))))]
+            if len(self.waiters) >= MAX_WAITERS:
+                raise _Refused("too many waiting requests")
+            self.waiters.append(_Waiter(peer, req, now + req.timeout))
+            return []
+        if op == w.S_CHECK:
+            return [(peer, w.StoreReply(w.R_OK, req.req_id,
+                                        tuple(b"1" if k in self.data else b"0" for k in keys)))]
+        if op in (w.S_DELETE, w.S_DELETE_PREFIX):
+            if op == w.S_DELETE:
+                gone = [k for k in keys if self.data.pop(k, None) is not None]
+            else:
+                prefix = keys[0] if keys else b""
+                gone = [k for k in list(self.data) if k.startswith(prefix)]
+                for k in gone:
+                    del self.data[k]
+            return [(peer, w.StoreReply(w.R_OK, req.req_id, (str(len(gone)).encode(),)))]
+        if len(keys) != 1:
+            raise _Refused("this request takes exactly one key")
+        key = keys[0]
+        replies: list[tuple[bytes, w.StoreReply]]
+        if op == w.S_SET:
+            if len(vals) != 1:
+                raise _Refused("set takes one value")
+            self._put(key, vals[0])
+            replies = [(peer, w.StoreReply(w.R_OK, req.req_id))]
+        elif op == w.S_ADD:
+            try:
+                delta = int(vals[0]) if len(vals) == 1 else None
+                cur = int(self.data.get(key, b"0"))
+            except ValueError:
+                delta = None
+            if delta is None:
+                raise _Refused("add needs an integer value and key")
+            new = str(cur + delta).encode()
+            self._put(key, new)
+            replies = [(peer, w.StoreReply(w.R_OK, req.req_id, (new,)))]
+        elif op == w.S_CAS:
+            if len(vals) != 3:
+                raise _Refused("compare_set takes (expect_absent, expected, desired)")
+            absent, expected, desired = vals[0] == b"1", vals[1], vals[2]
+            cur = self.data.get(key)
+            if (cur is None and (absent or expected == b"")) or (cur is not None and not absent
+                                                                  and cur == expected):
+                self._put(key, desired)
+                replies = [(peer, w.StoreReply(w.R_OK, req.req_id, (desired,)))]
+            else:
+                now_val = () if cur is None else (cur,)
+                replies = [(peer, w.StoreReply(w.R_CAS_FAIL, req.req_id, now_val))]
+        else:  # pragma: no cover - decode_store_request only lets known ops through
+            raise _Refused(f"unknown op {op}")
+        return replies + self._wake()
+
+    def _put(self, key: bytes, value: bytes) -> None:
+        if key not in self.data and len(self.data) >= MAX_KEYS_STORED:
+            raise _Refused("store is full")
+        self.data[key] = value
+
+    def _wake(self) -> list[tuple[bytes, w.StoreReply]]:
+        out, keep = [], []
+        for wt in self.waiters:
+            if self._missing(wt.req.keys):
+                keep.append(wt)
+            else:
+                out.append(self._answer(wt.peer, wt.req))
+        self.waiters = keep
+        return out
+
+    def expire(self, now: float) -> list[tuple[bytes, w.StoreReply]]:
+        out, keep = [], []
+        for wt in self.waiters:
+            if wt.deadline <= now:
+                out.append((wt.peer, w.StoreReply(w.R_TIMEOUT, wt.req.req_id,
+                                                  tuple(self._missing(wt.req.keys)))))
+            else:
+                keep.append(wt)
+        self.waiters = keep
+        return out
+
+    def next_deadline(self) -> float | None:
+        return min((wt.deadline for wt in self.waiters), default=None)
+
+    def forget_peer(self, peer: bytes) -> None:
+        self.waiters = [wt for wt in self.waiters if wt.peer != peer]
+
+
+class _Refused(Exception):
+    pass
+
+
+def _b(x: str | bytes) -> bytes:
+    return x.encode() if isinstance(x, str) else bytes(x)
+
+
+class StoreClient:
+    """Client of a ctrlcomm store at ``(host, port)``. Every call has a deadline.
+
+    Keys are ``str`` (or bytes); values are ``bytes`` (``str`` is encoded as UTF-8), as with
+    torch's ``TCPStore``, whose method names are also accepted (``delete_key``, ``check``,
+    ``compare_set``, ``wait``). A client may be shared by threads (calls are serialized).
+
+    Args:
+        host: the store's address.
+        port: the store's port.
+        timeout: default deadline in seconds of every call.
+        prefix: prepended to every key (namespacing).
+    """
+
+    def __init__(self, host: str, port: int, *, timeout: float = 300.0, prefix: str = "") -> None:
+        from ._transport import StoreConnection
+
+        self.host, self.port, self.timeout, self.prefix = host, int(port), float(timeout), prefix
+        self._conn = StoreConnection(host, int(port))
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"StoreClient({self.host!r}, {self.port}, prefix={self.prefix!r})"
+
+    def _k(self, key: str | bytes) -> bytes:
+        return _b(self.prefix) + _b(key)
+
+    def _call(self, op: int, keys: Sequence[bytes], values: Sequence[bytes] = (),
+              timeout: float | None = None, wait: float = 0.0) -> w.StoreReply:
+        t = self.timeout if timeout is None else float(timeout)
+        with self._lock:
+            req = w.StoreRequest(op, next(self._ids) & 0xFFFFFFFF, wait, tuple(keys), tuple(values))
+            rep = self._conn.request(req, deadline=time.monotonic() + t)
+        if rep is None:
+            raise StoreTimeoutError(
+                f"store at {self.host}:{self.port} did not answer within {t:g} s")
+        if rep.status == w.R_ERROR:
+            raise StoreError(f"store at {self.host}:{self.port} refused the request: "
+                             f"{rep.values[0].decode(errors='replace') if rep.values else ''}")
+        return rep
+
+    def set(self, key: str | bytes, value: str | bytes, *, timeout: float | None = None) -> None:
+        self._call(w.S_SET, [self._k(key)], [_b(value)], timeout)
+
+    def get(self, key: str | bytes, *, wait: bool = True, timeout: float | None = None) -> bytes:
+        """The value of ``key``; waits up to ``timeout`` for it to be set unless ``wait=False``."""
+        return self.multi_get([key], wait=wait, timeout=timeout)[0]
+
+    def multi_get(self, keys: Sequence[str | bytes], *, wait: bool = True,
+                  timeout: float | None = None) -> list[bytes]:
+        t = self.timeout if timeout is None else float(timeout)
+        rep = self._call(w.S_GET, [self._k(k) for k in keys], (), t + 1.0, t if wait else 0.0)
+        if rep.status == w.R_TIMEOUT:
+            missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
+            if not wait:
+                raise KeyError(missing[0] if len(missing) == 1 else missing)
+            raise StoreTimeoutError(f"store get timed out after {t:g} s; missing keys {missing}")
+        return list(rep.values)
+
+    def wait(self, keys: Sequence[str | bytes], timeout: float | None = None) -> None:
+        """Wait until every key exists. Raises :class:`StoreTimeoutError` naming the missing."""
+        t = self.timeout if timeout is None else float(timeout)
+        if hasattr(timeout, "total_seconds"):  # torch passes a timedelta
+            t = timeout.total_seconds()  # type: ignore[union-attr]
+        rep = self._call(w.S_WAIT, [self._k(k) for k in keys], (), t + 1.0, t)
+        if rep.status == w.R_TIMEOUT:
+            missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
+            raise StoreTimeoutError(f"store wait timed out after {t:g} s; missing keys {missing}")
+
+    def add(self, key: str | bytes, amount: int, *, timeout: float | None = None) -> int:
+        return int(self._call(w.S_ADD, [self._k(key)], [str(int(amount)).encode()], timeout).values[0])
+
+    def compare_set(self, key: str | bytes, expected: str | bytes | None, desired: str | bytes, *,
+                    timeout: float | None = None) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (``None`` or ``""``: if absent).
+
+        Returns the value the key holds afterwards (``b""`` if it is still absent), as
+        ``TCPStore.compare_set`` does.
+        """
+        absent = expected is None
+        rep = self._call(w.S_CAS, [self._k(key)],
+                         [b"1" if absent else b"0", b"" if absent else _b(expected or b""), _b(desired)],
+                         timeout)
+        return rep.values[0] if rep.values else b""
+
+    def set_if_absent(self, key: str | bytes, value: str | bytes, *,
+                      timeout: float | None = None) -> tuple[bool, bytes]:
+        """Atomically set ``key`` unless it exists: (whether it was set, value it holds)."""
+        rep = self._call(w.S_CAS, [self._k(key)], [b"1", b"", _b(value)], timeout)
+        return rep.status == w.R_OK, (rep.values[0] if rep.values else b"")
+
+    def delete(self, key: str | bytes, *, timeout: float | None = None) -> bool:
+        return int(self._call(w.S_DELETE, [self._k(key)], (), timeout).values[0]) > 0
+
+    delete_key = delete
+
+    def delete_prefix(self, prefix: str | bytes, *, timeout: float | None = None) -> int:
+        return int(self._call(w.S_DELETE_PREFIX, [self._k(prefix)], (), timeout).values[0])
+
+    def check(self, keys: Sequence[str | bytes], *, timeout: float | None = None) -> bool:
+        """Whether every key exists (no waiting)."""
+        return all(self.exists(keys, timeout=timeout))
+
+    def exists(self, keys: Sequence[str | bytes], *, timeout: float | None = None) -> list[bool]:
+        rep = self._call(w.S_CHECK, [self._k(k) for k in keys], (), timeout)
+        return [v == b"1" for v in rep.values]
+
+    def ping(self, *, timeout: float | None = None) -> None:
+        self._call(w.S_PING, [], (), timeout)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,283 @@
+"""Framing: messages to frames and frames to messages. No sockets, no clocks, no asyncio.
+
+A group message is a list of frames (one ZeroMQ multipart message)::
+
+    [header, payload, oob_0, ..., oob_{n-1}, (mac)]
+
+``header`` is a fixed :data:`HEADER` struct (magic, version, kind, op, codec, flags, src,
+group id, seq, round/tag, root, number of out-of-band buffers). ``payload`` is the encoded
+object; large bytes-like parts of it travel as out-of-band frames (pickle protocol 5), so a
+1 MiB buffer is never copied into the pickle stream. With an authentication key the last frame
+is a MAC over every other frame, checked before anything is decoded.
+
+Store requests and replies have their own small headers (:data:`STORE_REQ`, :data:`STORE_REP`).
+
+Every decoder here raises :class:`WireError` and nothing else for malformed input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import pickle
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import CodecError, WireError
+
+MAGIC = b"CC"
+VERSION = 1
+HEADER = struct.Struct("<2sBBBBHIQQqiH")
+
+# kinds
+COLL = 1  # collective traffic, matched by (seq, round, src)
+P2P = 2  # point to point, matched by (src, tag)
+STATUS_REQ = 3  # "what are you doing?" (sent when a wait is about to time out)
+STATUS_REP = 4  # the answer: payload is a short text
+ABORT = 5  # the sender aborted the group; payload is the reason
+BYE = 6  # the sender closed the group
+KINDS = frozenset({COLL, P2P, STATUS_REQ, STATUS_REP, ABORT, BYE})
+
+# codecs
+RAW = 0  # payload is bytes, used for control messages
+PICKLE = 1
+MSGPACK = 2
+CODECS = frozenset({RAW, PICKLE, MSGPACK})
+
+FLAG_MAC = 1
+MAC_SIZE = 16
+NO_ROOT = -1
+MAX_OOB = 1024
+
+# Buffers at least this large travel out of band (as their own frame, not copied into the
+# pickle). Small ones stay in band: per-frame overhead dominates for them (mpi4py pkl5 notes).
+OOB_THRESHOLD = 64 * 1024
+
+# op codes carried in COLL headers, so a rank can tell which collective a peer is in
+OPS = (
+    "barrier",
+    "broadcast",
+    "gather",
+    "all_gather",
+    "scatter",
+    "reduce",
+    "all_reduce",
+    "all_to_all",
+)
+OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
+OP_NAME = {code: name for name, code in OP_CODE.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One decoded group message (payload still encoded)."""
+
+    kind: int
+    src: int
+    group_id: int
+    seq: int
+    round: int
+    op: int = 0
+    root: int = NO_ROOT
+    codec: int = RAW
+    payload: Any = b""  # bytes-like
+    buffers: tuple[Any, ...] = ()
+
+
+def _mac(key: bytes, frames: Sequence[Any]) -> bytes:
+    h = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
+    for f in frames:
+        view = memoryview(f)
+        h.update(struct.pack("<Q", view.nbytes))
+        h.update(view)
+    return h.digest()
+
+
+def encode(msg: Message, key: bytes | None = None) -> list[Any]:
+    """Frames for ``msg`` (payload already encoded), with a MAC frame when ``key`` is set."""
+    header = HEADER.pack(
+        MAGIC,
+        VERSION,
+        msg.kind,
+        msg.op,
+        msg.codec,
+        FLAG_MAC if key else 0,
+        msg.src,
+        msg.group_id,
+        msg.seq,
+        msg.round,
+        msg.root,
+        len(msg.buffers),
+    )
+    frames: list[Any] = [header, msg.payload, *msg.buffers]
+    if key:
+        frames.append(_mac(key, frames))
+    return frames
+
+
+def decode(frames: Sequence[Any], key: bytes | None = None) -> Message:
+    """Parse and authenticate frames. Raises :class:`WireError` for anything malformed."""
+    if len(frames) < 2:
+        raise WireError(f"expected at least 2 frames, got {len(frames)}")
+    head = frames[0]
+    try:
+        if memoryview(head).nbytes != HEADER.size:
+            raise WireError("bad header size")
+        (magic, version, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf) = (
+            HEADER.unpack_from(head)
+        )
+    except (struct.error, TypeError) as e:
+        raise WireError(f"bad header: {e}") from None
+    if magic != MAGIC:
+        raise WireError("bad magic")
+    if version != VERSION:
+        raise WireError(f"unsupported version {version}")
+    if kind not in KINDS:
+        raise WireError(f"unknown kind {kind}")
+    if codec not in CODECS:
+        raise WireError(f"unknown codec {codec}")
+    has_mac = bool(flags & FLAG_MAC)
+    if flags & ~FLAG_MAC:
+        raise WireError(f"unknown flags {flags:#x}")
+    if nbuf > MAX_OOB or len(frames) != 2 + nbuf + has_mac:
+        raise WireError(f"frame count {len(frames)} does not match header ({nbuf} buffers)")
+    if key:
+        if not has_mac:
+            raise WireError("unauthenticated frame")
+        want = _mac(key, frames[:-1])
+        got = frames[-1]
+        if memoryview(got).nbytes != MAC_SIZE or not hmac.compare_digest(want, bytes(got)):
+            raise WireError("bad MAC")
+    elif has_mac:
+        raise WireError("authenticated frame on a group without a key")
+    return Message(kind, src, gid, seq, rnd, op, root, codec, frames[1], tuple(frames[2 : 2 + nbuf]))
+
+
+# ----------------------------------------------------------------------------------- codecs
+
+
+def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
+    """Encode ``obj``: returns (payload, out-of-band buffers)."""
+    if codec == PICKLE:
+        bufs: list[Any] = []
+
+        def keep_large(pb: pickle.PickleBuffer) -> bool:
+            raw = pb.raw()
+            if raw.nbytes >= OOB_THRESHOLD:
+                bufs.append(raw)
+                return False
+            return True
+
+        try:
+            data = pickle.dumps(obj, protocol=5, buffer_callback=keep_large)
+        except Exception as e:  # pickling runs user code: anything can come out
+            raise CodecError(f"cannot pickle {type(obj).__name__}: {e}") from e
+        return data, tuple(bufs)
+    if codec == MSGPACK:
+        from . import _msgpack
+
+        return _msgpack.dumps(obj), ()
+    if codec == RAW:
+        return bytes(obj), ()
+    raise CodecError(f"unknown codec {codec}")
+
+
+def loads(payload: Any, buffers: Sequence[Any], codec: int) -> Any:
+    """Decode a payload (authenticated already, where the group has a key)."""
+    if codec == PICKLE:
+        return pickle.loads(payload, buffers=buffers)
+    if codec == MSGPACK:
+        from . import _msgpack
+
+        return _msgpack.loads(payload)
+    return bytes(payload)
+
+
+# ------------------------------------------------------------------------ store protocol
+
+STORE_MAGIC = b"CS"
+STORE_REQ = struct.Struct("<2sBBIdI")  # magic, version, op, request id, timeout s, nkeys
+STORE_REP = struct.Struct("<2sBBI")  # magic, version, status, request id
+
+# store ops
+S_SET = 1  # keys=[k], values=[v]
+S_GET = 2  # keys=[k...]; waits up to timeout for all; reply values
+S_ADD = 3  # keys=[k], values=[int as ascii]; reply new value
+S_CAS = 4  # keys=[k], values=[expected, new]; empty expected with flag means absent
+S_DELETE = 5  # keys=[k...]; reply count deleted
+S_WAIT = 6  # keys=[k...]; waits for all to exist
+S_DELETE_PREFIX = 7  # keys=[prefix]
+S_CHECK = 8  # keys=[k...]; reply b"1"/b"0" each, no wait
+S_PING = 9
+STORE_OPS = frozenset(range(1, 10))
+
+# reply statuses
+R_OK = 0
+R_TIMEOUT = 1
+R_ERROR = 2  # values[0] is a message
+R_CAS_FAIL = 3  # values[0] is the current value (or absent)
+
+MAX_STORE_KEYS = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class StoreRequest:
+    op: int
+    req_id: int
+    timeout: float
+    keys: tuple[bytes, ...]
+    values: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StoreReply:
+    status: int
+    req_id: int
+    values: tuple[bytes, ...] = ()
+
+
+def encode_store_request(req: StoreRequest) -> list[bytes]:
+    head = STORE_REQ.pack(STORE_MAGIC, VERSION, req.op, req.req_id, req.timeout, len(req.keys))
+    return [head, *req.keys, *req.values]
+
+
+def decode_store_request(frames: Sequence[Any]) -> StoreRequest:
+    if not frames:
+        raise WireError("empty store request")
+    try:
+        if memoryview(frames[0]).nbytes != STORE_REQ.size:
+            raise WireError("bad store header size")
+        magic, version, op, req_id, timeout, nkeys = STORE_REQ.unpack_from(frames[0])
+    except (struct.error, TypeError) as e:
+        raise WireError(f"bad store header: {e}") from None
+    if magic != STORE_MAGIC or version != VERSION:
+        raise WireError("bad store magic or version")
+    if op not in STORE_OPS:
+        raise WireError(f"unknown store op {op}")
+    if not (timeout >= 0.0 and timeout < 1e9):  # also rejects NaN
+        raise WireError(f"bad store timeout {timeout!r}")
+    if nkeys > MAX_STORE_KEYS or len(frames) < 1 + nkeys:
+        raise WireError("bad store key count")
+    keys = tuple(bytes(f) for f in frames[1 : 1 + nkeys])
+    values = tuple(bytes(f) for f in frames[1 + nkeys :])
+    return StoreRequest(op, req_id, timeout, keys, values)
+
+
+def encode_store_reply(rep: StoreReply) -> list[bytes]:
+    return [STORE_REP.pack(STORE_MAGIC, VERSION, rep.status, rep.req_id), *rep.values]
+
+
+def decode_store_reply(frames: Sequence[Any]) -> StoreReply:
+    if not frames:
+        raise WireError("empty store reply")
+    try:
+        if memoryview(frames[0]).nbytes != STORE_REP.size:
+            raise WireError("bad store reply size")
+        magic, version, status, req_id = STORE_REP.unpack_from(frames[0])
+    except (struct.error, TypeError) as e:
+        raise WireError(f"bad store reply: {e}") from None
+    if magic != STORE_MAGIC or version != VERSION or status > R_CAS_FAIL:
+        raise WireError("bad store reply header")
+    return StoreReply(status, req_id, tuple(bytes(f) for f in frames[1:]))
