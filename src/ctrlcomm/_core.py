@@ -44,7 +44,7 @@ from ._errors import (
     PeerLostError,
     WireError,
 )
-from ._transport import Endpoint
+from ._transport import TcpEndpoint, ZmqEndpoint
 
 # Seconds before a deadline at which a rank asks the peers it waits for what they are doing,
 # so that the timeout error can say it (capped at a tenth of the timeout).
@@ -67,7 +67,8 @@ def describe(op: int, root: int) -> str:
 
 
 class Core:
-    def __init__(self, *, name: str, rank: int, size: int, group_id: int, endpoint: Endpoint,
+    def __init__(self, *, name: str, rank: int, size: int, group_id: int,
+                 endpoint: TcpEndpoint | ZmqEndpoint,
                  codec: int, key: bytes | None, timeout: float) -> None:
         self.name, self.rank, self.size = name, rank, size
         self.group_id = group_id
@@ -91,31 +92,37 @@ class Core:
         self.last = "nothing yet"
         self._lock = threading.Lock()
         self._owner = ""
+        endpoint.on_lost = self._lost
+
+    def _lost(self, rank: int, why: str) -> None:
+        # a goodbye that arrived before the connection closed is the better explanation
+        self.gone.setdefault(rank, f"is gone ({why}; its process died or exited without close())")
 
     # ------------------------------------------------------------------------ receiving
 
-    def _accept(self, frames: list[Any]) -> None:
+    def _accept(self, frames: list[Any]) -> int | None:
+        """Take one incoming message; returns its sender, or None if it was dropped."""
         try:
             m = w.decode(frames, self.key)
         except WireError:
             self.dropped["malformed"] += 1
-            return
+            return None
         if m.group_id != self.group_id:
             self.dropped["other_group"] += 1
-            return
+            return None
         if not 0 <= m.src < self.size or m.src == self.rank:
             self.dropped["bad_src"] += 1
-            return
+            return None
         self.received += 1
         k = m.kind
         if k == w.COLL:
             if m.seq < self.seq - (self.active is not None and self.active[1] >= 0):
                 self.dropped["stale"] += 1
-                return
+                return m.src
             key = (m.seq, m.round, m.src)
             if key in self.box:
                 self.dropped["duplicate"] += 1
-                return
+                return m.src
             self.box[key] = m
             a = self.active
             if a is not None and m.seq == a[1] and (m.op, m.root) != (a[2], a[3]):
@@ -133,6 +140,7 @@ class Core:
             self.gone[m.src] = f"aborted the group: {reason}"
             self.brk(PeerLostError(f"group {self.name!r}: rank {m.src} aborted the group: {reason}",
                                    ranks=[m.src]))
+        return m.src
 
     def _set_mismatch(self, m: w.Message) -> None:
         a = self.active

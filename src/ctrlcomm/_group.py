@@ -29,7 +29,7 @@ from ._errors import (
     StoreTimeoutError,
 )
 from ._store import StoreClient
-from ._transport import Endpoint, StoreServer, check_bind_host, local_address_for
+from ._transport import StoreServer, check_bind_host, local_address_for, make_endpoint
 
 # World sizes up to which the one-round (flat) variants are used: at these sizes one hop with
 # N-1 messages beats log2(N) hops of one message each (see `ctrlcomm bench`).
@@ -280,6 +280,7 @@ class Group:
         bind_host: str | None = None,
         codec: str = "pickle",
         auth_key: bytes | str | None = None,
+        transport: str = "tcp",
     ) -> Group:
         """Form a group through the store at ``(host, port)``.
 
@@ -295,6 +296,8 @@ class Group:
                 this machine uses to reach ``host``; ``"0.0.0.0"`` is an explicit opt-in).
             codec: ``"pickle"`` (default) or ``"msgpack"`` (data only, never unpickles).
             auth_key: reserved for authenticated groups.
+            transport: ``"tcp"`` (default: plain sockets, lowest latency) or ``"zmq"``
+                (ZeroMQ PUSH/PULL sockets).
 
         Raises:
             InvalidArgumentError: bad rank, world size, name, timeout or codec.
@@ -308,6 +311,8 @@ class Group:
                                        f"newlines, got {name!r}")
         t = _timeout_arg(timeout, "Group.create")
         assert t is not None
+        if transport not in ("tcp", "zmq"):
+            raise InvalidArgumentError(f"unknown transport {transport!r}; use 'tcp' or 'zmq'")
         if codec not in CODECS:
             raise InvalidArgumentError(f"unknown codec {codec!r}; use one of {sorted(CODECS)}")
         try:
@@ -328,7 +333,7 @@ class Group:
                 bind_host = local_address_for(host, port)
             else:
                 check_bind_host(bind_host)
-            ep = Endpoint(bind_host)
+            ep = make_endpoint(transport, bind_host)
             nonce, peers = _rendezvous(store, ep.address, rank, world_size, name, deadline)
             ep.set_peers(peers)
             core = Core(name=name, rank=rank, size=world_size, group_id=_group_id(name, nonce),
@@ -410,8 +415,11 @@ class Group:
     def stats(self) -> dict[str, Any]:
         """Counters: messages sent and received, and frames dropped by reason."""
         c = self._core
-        return {"sent": c.sent, "received": c.received, "dropped": dict(c.dropped),
-                "seq": c.seq, "state": c.state}
+        dropped = dict(c.dropped)
+        for k, v in getattr(c.ep, "dropped", {}).items():
+            dropped[k] = dropped.get(k, 0) + v
+        return {"sent": c.sent, "received": c.received, "dropped": dropped,
+                "seq": c.seq, "state": c.state, "transport": c.ep.kind}
 
     def __repr__(self) -> str:
         c = self._core

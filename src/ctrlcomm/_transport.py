@@ -1,8 +1,17 @@
 """The only module that touches sockets (ZeroMQ and the OS).
 
-- :class:`Endpoint`: a rank's inbound PULL socket, bound on one interface, plus one PUSH socket
-  per peer it sends to (created on first use). ZeroMQ queues sends in its I/O thread, so a
-  send never waits for the peer; per pair of ranks, messages arrive in the order sent.
+- :class:`TcpEndpoint` (the default data plane): a listening TCP socket bound on one interface,
+  one outgoing connection per peer it sends to (made on first use), all registered in one
+  epoll set whose descriptor both drivers wait on. Sends are non-blocking ``sendmsg`` calls;
+  what the kernel does not take at once is queued and flushed whenever the rank waits, so a
+  send never waits for the peer. A connection that reaches end-of-file or fails tells the core
+  at once that its peer is gone. Why not ZeroMQ here: each ZeroMQ message crosses two extra
+  threads (the I/O threads of sender and receiver); on a 2-core machine that measured 149 us
+  per round trip against 22 us for a plain socket, and it hides a dead peer behind silent
+  reconnection.
+- :class:`ZmqEndpoint` (``transport="zmq"``): a PULL socket bound on one interface plus one
+  PUSH socket per peer. ZeroMQ queues sends in its I/O thread; per pair of ranks, messages
+  arrive in the order sent.
 - :class:`StoreConnection`: a DEALER socket for store requests, with request ids so a late
   reply to a timed-out request is recognised and dropped.
 - :class:`StoreServer`: runs a :class:`ctrlcomm._store.StoreState` on a ROUTER socket in a
@@ -17,11 +26,14 @@ until ``EAGAIN``) before waiting again, which :meth:`Endpoint.drain` does.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import os
+import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,10 +100,13 @@ def _bind_error(e: zmq.ZMQError, what: str, addr: str) -> CtrlcommError:
     return StoreError(f"cannot bind {what} on {addr}: {e}")
 
 
-class Endpoint:
-    """A rank's sockets in one group."""
+class ZmqEndpoint:
+    """A rank's sockets in one group, over ZeroMQ (``transport="zmq"``)."""
 
-    def __init__(self, bind_host: str, *, ipv6: bool = False) -> None:
+    kind = "zmq"
+
+    def __init__(self, bind_host: str, *, ipv6: bool = False,
+                 on_lost: Callable[[int, str], None] | None = None) -> None:
         ctx = context()
         self.rx = ctx.socket(zmq.PULL)
         self.rx.setsockopt(zmq.LINGER, 0)
@@ -136,7 +151,7 @@ class Endpoint:
             big = not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_THRESHOLD
             s.send(f, (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT, copy=not big)
 
-    def drain(self, sink: Callable[[list[Any]], None], limit: int = 1 << 30) -> int:
+    def drain(self, sink: Callable[[list[Any]], int | None], limit: int = 1 << 30) -> int:
         """Receive every message waiting now and hand each to ``sink``. Returns the count."""
         n = 0
         rx = self.rx
@@ -315,3 +330,319 @@ class StoreServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------- TCP
+
+
+def _parse_tcp(endpoint: str) -> tuple[int, tuple[str, int]]:
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"not a tcp endpoint: {endpoint!r}")
+    hostport = endpoint[6:]
+    host, _, port = hostport.rpartition(":")
+    if host.startswith("["):
+        return socket.AF_INET6, (host[1:-1], int(port))
+    return socket.AF_INET, (host, int(port))
+
+
+class _Conn:
+    __slots__ = ("sock", "fd", "inbound", "rank", "decoder", "pending", "connecting", "events")
+
+    def __init__(self, sock: socket.socket, inbound: bool, rank: int | None) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.inbound = inbound
+        self.rank = rank
+        self.decoder = w.StreamDecoder() if inbound else None
+        self.pending: deque[memoryview] = deque()
+        self.connecting = False
+        self.events = 0
+
+
+READ_CHUNK = 256 * 1024
+READ_BUDGET = 8 * 1024 * 1024  # per connection per drain, so one flooding peer cannot starve
+
+
+class TcpEndpoint:
+    """A rank's sockets in one group, over plain TCP (the default transport)."""
+
+    kind = "tcp"
+
+    def __init__(self, bind_host: str, *, on_lost: Callable[[int, str], None] | None = None,
+                 max_inbound: int = 256) -> None:
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        ls = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            ls.bind((bind_host, 0))
+        except OSError as e:
+            ls.close()
+            raise StoreError(f"cannot bind group socket on {bind_host}: {e}") from None
+        ls.listen(512)
+        ls.setblocking(False)
+        self.lsock = ls
+        host, port = ls.getsockname()[:2]
+        self.address = _tcp(host, port)
+        self.ep = select.epoll()
+        self.ep.register(ls.fileno(), select.EPOLLIN)
+        self.fd = self.ep.fileno()
+        self.peers: dict[int, str] = {}
+        self.conns: dict[int, _Conn] = {}  # by fd
+        self.out: dict[int, _Conn] = {}  # by rank
+        self.on_lost = on_lost
+        self.max_inbound = max_inbound
+        self.inbound = 0
+        self.dropped: dict[str, int] = {}
+        self.closed = False
+        # one receive buffer, reused: recv(n) would allocate (and for large n, mmap) n bytes
+        self._rbuf = bytearray(READ_CHUNK)
+        self._rview = memoryview(self._rbuf)
+
+    def set_peers(self, peers: dict[int, str]) -> None:
+        self.peers = dict(peers)
+
+    def _count(self, why: str) -> None:
+        self.dropped[why] = self.dropped.get(why, 0) + 1
+
+    # ------------------------------------------------------------------ outgoing
+
+    def _register(self, c: _Conn, events: int) -> None:
+        if c.events != events:
+            if c.events:
+                self.ep.modify(c.fd, events)
+            else:
+                self.ep.register(c.fd, events)
+            c.events = events
+
+    def _connect(self, dst: int) -> _Conn:
+        family, addr = _parse_tcp(self.peers[dst])
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setblocking(False)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c = _Conn(s, inbound=False, rank=dst)
+        self.conns[c.fd] = c
+        self.out[dst] = c
+        err = s.connect_ex(addr)
+        if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
+            c.connecting = True
+            self._register(c, select.EPOLLOUT | select.EPOLLIN)
+        elif err:
+            self._lose(c, f"cannot connect to {self.peers[dst]}: {os.strerror(err)}")
+        else:
+            self._register(c, select.EPOLLIN)  # readable only at EOF: the peer is gone
+        return c
+
+    def send(self, dst: int, frames: Sequence[Any]) -> None:
+        """Queue a message for ``dst``; never waits for the peer."""
+        c = self.out.get(dst)
+        if c is None:
+            c = self._connect(dst)
+        if c.sock.fileno() < 0:  # lost: the core already knows
+            return
+        parts = [w.stream_prefix(frames), *frames]
+        if c.pending or c.connecting:
+            c.pending.extend(memoryview(p).cast("B") for p in parts)
+            return
+        try:
+            n = c.sock.sendmsg(parts)
+        except BlockingIOError:
+            n = 0
+        except OSError as e:
+            self._lose(c, f"send failed: {e.strerror or e}")
+            return
+        total = sum(memoryview(p).nbytes for p in parts)
+        if n < total:
+            for p in parts:
+                v = memoryview(p).cast("B")
+                if n >= v.nbytes:
+                    n -= v.nbytes
+                    continue
+                c.pending.append(v[n:])
+                n = 0
+            self._register(c, select.EPOLLOUT | select.EPOLLIN)
+
+    def _flush(self, c: _Conn) -> None:
+        while c.pending:
+            batch = list(c.pending)[:512]
+            try:
+                n = c.sock.sendmsg(batch)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._lose(c, f"send failed: {e.strerror or e}")
+                return
+            while n and c.pending:
+                v = c.pending[0]
+                if n >= v.nbytes:
+                    n -= v.nbytes
+                    c.pending.popleft()
+                else:
+                    c.pending[0] = v[n:]
+                    n = 0
+        self._register(c, select.EPOLLIN)
+
+    def _lose(self, c: _Conn, why: str) -> None:
+        self._drop_conn(c)
+        if c.rank is not None and self.on_lost is not None:
+            self.on_lost(c.rank, why)
+
+    def _drop_conn(self, c: _Conn) -> None:
+        self.conns.pop(c.fd, None)
+        if c.events:
+            try:
+                self.ep.unregister(c.fd)
+            except (OSError, ValueError):
+                pass
+        if c.inbound:
+            self.inbound -= 1
+        c.sock.close()
+        c.pending.clear()
+
+    # ------------------------------------------------------------------ incoming
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                s, _ = self.lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if self.inbound >= self.max_inbound:
+                self._count("connection_limit")
+                s.close()
+                continue
+            s.setblocking(False)
+            c = _Conn(s, inbound=True, rank=None)
+            self.conns[c.fd] = c
+            self.inbound += 1
+            self._register(c, select.EPOLLIN)
+
+    def _read(self, c: _Conn, sink: Callable[[list[Any]], int | None]) -> int:
+        n = budget = 0
+        assert c.decoder is not None
+        view = self._rview
+        while budget < READ_BUDGET:
+            try:
+                got = c.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                return n
+            except OSError as e:
+                got = 0
+                why = f"connection failed: {e.strerror or e}"
+            else:
+                why = "connection closed"
+            if not got:
+                self._lose(c, why)
+                return n
+            budget += got
+            try:
+                msgs = c.decoder.feed(view[:got])
+            except WireError:
+                self._count("malformed_stream")
+                self._drop_conn(c)
+                return n
+            for frames in msgs:
+                n += 1
+                src = sink(frames)
+                if src is not None and c.rank is None:
+                    c.rank = src
+            if got < READ_CHUNK:
+                return n
+        return n
+
+    def drain(self, sink: Callable[[list[Any]], int | None]) -> int:
+        """Handle every ready socket now; hand each whole message to ``sink``."""
+        n = 0
+        lfd = self.lsock.fileno()
+        for fd, ev in self.ep.poll(0):
+            if fd == lfd:
+                self._accept()
+                continue
+            c = self.conns.get(fd)
+            if c is None:
+                continue
+            if c.inbound:
+                n += self._read(c, sink)
+                continue
+            if c.connecting and ev & (select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP):
+                err = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if err:
+                    self._lose(c, f"cannot connect to {self.peers.get(c.rank or 0)}: "
+                                  f"{os.strerror(err)}")
+                    continue
+                c.connecting = False
+            if ev & select.EPOLLOUT:
+                self._flush(c)
+            if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and fd in self.conns:
+                try:
+                    data = c.sock.recv(1)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as e:
+                    self._lose(c, f"connection failed: {e.strerror or e}")
+                    continue
+                if not data:
+                    self._lose(c, "connection closed")
+        return n
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a socket is ready or ``timeout`` seconds pass."""
+        self.ep.poll(max(timeout, 0.0))
+
+    async def wait_async(self, timeout: float) -> None:
+        """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        loop.add_reader(self.fd, wake)
+        timer = loop.call_later(max(timeout, 0.0), wake)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            loop.remove_reader(self.fd)
+
+    def close(self) -> None:
+        """Close every socket; unsent data goes on in a short-lived thread (like a linger)."""
+        if self.closed:
+            return
+        self.closed = True
+        left = [c for c in self.out.values() if c.pending and c.sock.fileno() >= 0]
+        for c in list(self.conns.values()):
+            if c not in left:
+                self._drop_conn(c)
+        self.lsock.close()
+        self.ep.close()
+        if left:
+            threading.Thread(target=_linger, args=(left,), daemon=True,
+                             name="ctrlcomm-linger").start()
+
+
+def _linger(conns: list[_Conn]) -> None:
+    deadline = time.monotonic() + LINGER_MS / 1000
+    for c in conns:
+        c.sock.setblocking(True)
+        try:
+            while c.pending and time.monotonic() < deadline:
+                c.sock.settimeout(max(deadline - time.monotonic(), 0.01))
+                n = c.sock.send(c.pending[0])
+                v = c.pending.popleft()
+                if n < v.nbytes:
+                    c.pending.appendleft(v[n:])
+        except OSError:
+            pass
+        finally:
+            c.sock.close()
+
+
+def make_endpoint(transport: str, bind_host: str,
+                  on_lost: Callable[[int, str], None] | None = None) -> TcpEndpoint | ZmqEndpoint:
+    if transport == "tcp":
+        return TcpEndpoint(bind_host, on_lost=on_lost)
+    if transport == "zmq":
+        return ZmqEndpoint(bind_host, on_lost=on_lost)
+    raise ValueError(f"unknown transport {transport!r}")

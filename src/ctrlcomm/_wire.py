@@ -281,3 +281,72 @@ def decode_store_reply(frames: Sequence[Any]) -> StoreReply:
     if magic != STORE_MAGIC or version != VERSION or status > R_CAS_FAIL:
         raise WireError("bad store reply header")
     return StoreReply(status, req_id, tuple(bytes(f) for f in frames[1:]))
+
+
+# ------------------------------------------------------------------ stream framing (TCP)
+#
+# On a byte stream each message is: magic "CF", u16 frame count, u64 length per frame, then
+# the frames back to back. StreamDecoder is fed whatever recv() returned and hands back whole
+# messages; it raises WireError (and the connection is dropped) for anything malformed.
+
+STREAM_MAGIC = b"CF"
+STREAM_HEAD = struct.Struct("<2sH")
+MAX_FRAMES = MAX_OOB + 3
+MAX_MESSAGE = 1 << 31  # 2 GiB: a control plane; larger is garbage or an attack
+
+
+def stream_prefix(frames: Sequence[Any]) -> bytes:
+    n = len(frames)
+    lens = [memoryview(f).nbytes for f in frames]
+    return STREAM_HEAD.pack(STREAM_MAGIC, n) + struct.pack(f"<{n}Q", *lens)
+
+
+class StreamDecoder:
+    """Incremental decoder of the stream framing."""
+
+    def __init__(self, max_message: int = MAX_MESSAGE) -> None:
+        self.buf = bytearray()
+        self.max_message = max_message
+        self._lens: tuple[int, ...] | None = None
+        self._head = 0  # bytes of prefix for the current message
+
+    def feed(self, data: bytes | memoryview) -> list[list[bytes]]:
+        """Add bytes; return the messages now complete (each a list of frames)."""
+        self.buf += data
+        out: list[list[bytes]] = []
+        buf = self.buf
+        pos = 0
+        while True:
+            if self._lens is None:
+                if len(buf) - pos < STREAM_HEAD.size:
+                    break
+                magic, n = STREAM_HEAD.unpack_from(buf, pos)
+                if magic != STREAM_MAGIC:
+                    raise WireError("bad stream magic")
+                if not 1 <= n <= MAX_FRAMES:
+                    raise WireError(f"bad frame count {n}")
+                need = STREAM_HEAD.size + 8 * n
+                if len(buf) - pos < need:
+                    break
+                lens = struct.unpack_from(f"<{n}Q", buf, pos + STREAM_HEAD.size)
+                if sum(lens) > self.max_message:
+                    raise WireError(f"message of {sum(lens)} bytes exceeds the limit")
+                self._lens, self._head = lens, need
+            total = self._head + sum(self._lens)
+            if len(buf) - pos < total:
+                break
+            p = pos + self._head
+            frames = []
+            for ln in self._lens:
+                frames.append(bytes(buf[p : p + ln]))
+                p += ln
+            out.append(frames)
+            pos += total
+            self._lens = None
+        if pos:
+            del buf[:pos]
+        return out
+
+    def pending(self) -> int:
+        """Bytes buffered toward an incomplete message."""
+        return len(self.buf)
