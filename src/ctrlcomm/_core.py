@@ -49,6 +49,9 @@ from ._transport import TcpEndpoint, ZmqEndpoint
 # Seconds before a deadline at which a rank asks the peers it waits for what they are doing,
 # so that the timeout error can say it (capped at a tenth of the timeout).
 PROBE_GRACE = 0.25
+# A peer that closed the connection we send on is declared lost after this many seconds
+# unless its goodbye (or the end of the stream it sends on) explains it first.
+SUSPECT_GRACE = 1.0
 
 Wait = Generator[float, None, Any]
 
@@ -81,6 +84,7 @@ class Core:
         self.p2p: dict[tuple[int, int], deque[w.Message]] = {}
         self.status: dict[int, str] = {}
         self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
+        self.suspects: dict[int, tuple[float, str]] = {}  # peer -> (grace ends, why)
         self.dropped: Counter[str] = Counter()
         self.sent = 0
         self.received = 0
@@ -94,9 +98,25 @@ class Core:
         self._owner = ""
         endpoint.on_lost = self._lost
 
-    def _lost(self, rank: int, why: str) -> None:
-        # a goodbye that arrived before the connection closed is the better explanation
-        self.gone.setdefault(rank, f"is gone ({why}; its process died or exited without close())")
+    def _lost(self, rank: int, why: str, certain: bool) -> None:
+        text = f"is gone ({why}; its process died or exited without close())"
+        if certain:
+            # a goodbye that arrived before the connection closed is the better explanation
+            self.gone.setdefault(rank, text)
+        else:
+            self.suspects.setdefault(rank, (time.monotonic() + SUSPECT_GRACE, text))
+
+    def _check_lost(self, missing: list[int], now: float) -> tuple[list[int], float]:
+        """Ranks among ``missing`` known gone, and when the next suspect's grace ends."""
+        nxt = float("inf")
+        for s in missing:
+            if s in self.suspects and s not in self.gone:
+                until, text = self.suspects[s]
+                if now >= until:
+                    self.gone[s] = text
+                else:
+                    nxt = min(nxt, until)
+        return [s for s in missing if s in self.gone], nxt
 
     # ------------------------------------------------------------------------ receiving
 
@@ -281,12 +301,12 @@ class Core:
                 return {s: self._decode(box.pop((seq, step.round, s)), f"{name} #{seq}")
                         for s in step.recvs}
             self.waiting_for = missing
-            lost = [s for s in missing if s in self.gone]
+            now = time.monotonic()
+            lost, suspect_at = self._check_lost(missing, now)
             if lost:
                 raise PeerLostError(
                     f"{name} #{seq} on group {self.name!r} cannot complete on rank {self.rank}: "
                     + "; ".join(f"rank {s} {self.gone[s]}" for s in lost), ranks=lost)
-            now = time.monotonic()
             if now >= deadline:
                 raise self._timeout(name, seq, t, missing)
             if not probed and now >= probe_at:
@@ -294,7 +314,7 @@ class Core:
                 for s in missing:
                     self.status.pop(s, None)
                     self._send_raw(s, w.STATUS_REQ, b"")
-            yield (deadline if probed else probe_at) - now
+            yield min(deadline if probed else probe_at, suspect_at) - now
 
     def _timeout(self, name: str, seq: int | None, t: float, missing: list[int]
                  ) -> CollectiveTimeoutError:
@@ -339,17 +359,18 @@ class Core:
                 if self.state == "broken":
                     raise GroupBrokenError(str(self.cause)) from self.cause
                 self.waiting_for = [src]
-                if src in self.gone:
+                now = time.monotonic()
+                lost, suspect_at = self._check_lost([src], now)
+                if lost:
                     raise PeerLostError(f"recv(src={src}, tag={tag}) on group {self.name!r}: "
                                         f"rank {src} {self.gone[src]}", ranks=[src])
-                now = time.monotonic()
                 if now >= deadline:
                     raise self._timeout(f"recv(src={src}, tag={tag})", None, t, [src])
                 if not probed and now >= probe_at:
                     probed = True
                     self.status.pop(src, None)
                     self._send_raw(src, w.STATUS_REQ, b"")
-                yield (deadline if probed else probe_at) - now
+                yield min(deadline if probed else probe_at, suspect_at) - now
         finally:
             self.active = None
             self.waiting_for = []

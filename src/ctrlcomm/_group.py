@@ -200,15 +200,32 @@ def _acquire_server(host: str, port: int) -> StoreServer:
         return srv
 
 
+# An embedded store outlives the last group that uses it by this long: other ranks may still
+# be talking to it (forming the next group of the same name, say), and a group formed again
+# here in the meantime reuses it instead of starting an empty store on the same port.
+STORE_KEEPALIVE_S = 5.0
+
+
 def _release_server(host: str, port: int) -> None:
     with _servers_lock:
         entry = _servers.get((host, port))
         if entry is None:
             return
         entry[1] -= 1
-        if entry[1] <= 0:
-            del _servers[(host, port)]
-            entry[0].close()
+        if entry[1] > 0:
+            return
+    timer = threading.Timer(STORE_KEEPALIVE_S, _close_idle_server, args=(host, port, entry[0]))
+    timer.daemon = True
+    timer.start()
+
+
+def _close_idle_server(host: str, port: int, server: StoreServer) -> None:
+    with _servers_lock:
+        entry = _servers.get((host, port))
+        if entry is None or entry[0] is not server or entry[1] > 0:
+            return
+        del _servers[(host, port)]
+    server.close()
 
 
 def _group_id(name: str, nonce: str) -> int:

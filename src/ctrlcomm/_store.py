@@ -39,6 +39,10 @@ class StoreState:
         self.data: dict[bytes, bytes] = {}
         self.waiters: list[_Waiter] = []
         self.requests = 0
+        # Clients resend a request they got no answer to (same id). The last request of each
+        # client and its reply (None while parked) make a resend safe: it is answered again,
+        # never applied twice.
+        self.recent: dict[bytes, tuple[int, w.StoreReply | None]] = {}
 
     def _missing(self, keys: Iterable[bytes]) -> list[bytes]:
         return [k for k in keys if k not in self.data]
@@ -50,10 +54,24 @@ class StoreState:
 
     def handle(self, peer: bytes, req: w.StoreRequest, now: float) -> list[tuple[bytes, w.StoreReply]]:
         self.requests += 1
+        prev = self.recent.get(peer)
+        if prev is not None and prev[0] == req.req_id:
+            return [] if prev[1] is None else [(peer, prev[1])]
         try:
-            return self._handle(peer, req, now)
+            out = self._handle(peer, req, now)
         except _Refused as e:
-            return [(peer, w.StoreReply(w.R_ERROR, req.req_id, (str(e).encode(),)))]
+            out = [(peer, w.StoreReply(w.R_ERROR, req.req_id, (str(e).encode(),)))]
+        if len(self.recent) >= MAX_WAITERS and peer not in self.recent:
+            self.recent.pop(next(iter(self.recent)))
+        self.recent[peer] = (req.req_id, None)
+        return self._remember(out)
+
+    def _remember(self, out: list[tuple[bytes, w.StoreReply]]) -> list[tuple[bytes, w.StoreReply]]:
+        for peer, rep in out:
+            prev = self.recent.get(peer)
+            if prev is not None and prev[0] == rep.req_id:
+                self.recent[peer] = (rep.req_id, rep)
+        return out
 
     def _handle(self, peer: bytes, req: w.StoreRequest, now: float) -> list[tuple[bytes, w.StoreReply]]:
         op, keys, vals = req.op, req.keys, req.values
@@ -135,7 +153,7 @@ class StoreState:
             else:
                 out.append(self._answer(wt.peer, wt.req))
         self.waiters = keep
-        return out
+        return self._remember(out)
 
     def expire(self, now: float) -> list[tuple[bytes, w.StoreReply]]:
         out, keep = [], []
@@ -146,7 +164,7 @@ class StoreState:
             else:
                 keep.append(wt)
         self.waiters = keep
-        return out
+        return self._remember(out)
 
     def next_deadline(self) -> float | None:
         return min((wt.deadline for wt in self.waiters), default=None)

@@ -106,7 +106,7 @@ class ZmqEndpoint:
     kind = "zmq"
 
     def __init__(self, bind_host: str, *, ipv6: bool = False,
-                 on_lost: Callable[[int, str], None] | None = None) -> None:
+                 on_lost: Callable[[int, str, bool], None] | None = None) -> None:
         ctx = context()
         self.rx = ctx.socket(zmq.PULL)
         self.rx.setsockopt(zmq.LINGER, 0)
@@ -197,12 +197,19 @@ class ZmqEndpoint:
         self.tx.clear()
 
 
+# A request unanswered for this long is sent again (same id: the server answers it once).
+# This rides out a store that restarts, or a request lost with a dying connection.
+STORE_RESEND_S = 1.0
+
+
 class StoreConnection:
     """One client connection to a store."""
 
     def __init__(self, host: str, port: int) -> None:
         self.sock = context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a fixed identity across reconnections lets the server recognise a resent request
+        self.sock.setsockopt(zmq.ROUTING_ID, b"c" + os.urandom(15))
         self.addr = _tcp(host, port)
         if _is_v6(self.addr):
             self.sock.setsockopt(zmq.IPV6, 1)
@@ -212,12 +219,21 @@ class StoreConnection:
 
     def request(self, req: w.StoreRequest, deadline: float) -> w.StoreReply | None:
         """Send ``req`` and wait for its reply until ``deadline``; ``None`` on timeout."""
-        self.sock.send_multipart([b"", *w.encode_store_request(req)], zmq.DONTWAIT)
+        frames = [b"", *w.encode_store_request(req)]
+        self.sock.send_multipart(frames, zmq.DONTWAIT)
+        resend_at = time.monotonic() + STORE_RESEND_S
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._poller.poll(max(1, int(left * 1000))):
-                if time.monotonic() >= deadline:
-                    return None
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            if now >= resend_at:
+                try:
+                    self.sock.send_multipart(frames, zmq.DONTWAIT)
+                except zmq.Again:
+                    pass
+                resend_at = now + STORE_RESEND_S
+            wait = min(deadline, resend_at) - now
+            if not self._poller.poll(max(1, int(wait * 1000))):
                 continue
             frames = self.sock.recv_multipart()
             try:
@@ -229,6 +245,9 @@ class StoreConnection:
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+_released: dict[tuple[str, int], float] = {}
 
 
 class StoreServer:
@@ -250,11 +269,19 @@ class StoreServer:
         addr = _tcp(host, port or "*")
         if _is_v6(addr):
             self.sock.setsockopt(zmq.IPV6, 1)
-        try:
-            self.sock.bind(addr)
-        except zmq.ZMQError as e:
-            self.sock.close(0)
-            raise _bind_error(e, "store", _tcp(host, port)) from None
+        # ZeroMQ releases a listener asynchronously: an address this process just closed may
+        # be busy for a few milliseconds more. Only then is a failed bind tried again.
+        retry_until = _released.get((host, port), 0.0) + 2.0
+        while True:
+            try:
+                self.sock.bind(addr)
+                break
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EADDRINUSE and time.monotonic() < retry_until:
+                    time.sleep(0.01)
+                    continue
+                self.sock.close(0)
+                raise _bind_error(e, "store", _tcp(host, port)) from None
         self.port = int(self.sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self.state = StoreState()
         self.dropped = 0
@@ -314,6 +341,7 @@ class StoreServer:
         if self._stop:
             return
         self._stop = True
+        _released[(self.host, self.port)] = time.monotonic()
         s = context().socket(zmq.PUSH)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(self._wake_addr)
@@ -368,7 +396,7 @@ class TcpEndpoint:
 
     kind = "tcp"
 
-    def __init__(self, bind_host: str, *, on_lost: Callable[[int, str], None] | None = None,
+    def __init__(self, bind_host: str, *, on_lost: Callable[[int, str, bool], None] | None = None,
                  max_inbound: int = 256) -> None:
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         ls = socket.socket(family, socket.SOCK_STREAM)
@@ -481,9 +509,14 @@ class TcpEndpoint:
         self._register(c, select.EPOLLIN)
 
     def _lose(self, c: _Conn, why: str) -> None:
+        if self.closed:
+            return
         self._drop_conn(c)
         if c.rank is not None and self.on_lost is not None:
-            self.on_lost(c.rank, why)
+            # End of the stream a peer sends on is certain: nothing more can come from it.
+            # End of the stream we send on only makes it a suspect: it may have closed while
+            # its own last messages to us are still on their way.
+            self.on_lost(c.rank, why, c.inbound)
 
     def _drop_conn(self, c: _Conn) -> None:
         self.conns.pop(c.fd, None)
@@ -611,6 +644,9 @@ class TcpEndpoint:
         if self.closed:
             return
         self.closed = True
+        for c in self.out.values():
+            if c.pending and not c.connecting and c.sock.fileno() >= 0:
+                self._flush(c)
         left = [c for c in self.out.values() if c.pending and c.sock.fileno() >= 0]
         for c in list(self.conns.values()):
             if c not in left:
@@ -618,7 +654,9 @@ class TcpEndpoint:
         self.lsock.close()
         self.ep.close()
         if left:
-            threading.Thread(target=_linger, args=(left,), daemon=True,
+            # not a daemon: a process that exits right after close() still delivers its last
+            # messages (for at most LINGER_MS), as ZeroMQ's context termination does
+            threading.Thread(target=_linger, args=(left,), daemon=False,
                              name="ctrlcomm-linger").start()
 
 
@@ -640,7 +678,7 @@ def _linger(conns: list[_Conn]) -> None:
 
 
 def make_endpoint(transport: str, bind_host: str,
-                  on_lost: Callable[[int, str], None] | None = None) -> TcpEndpoint | ZmqEndpoint:
+                  on_lost: Callable[[int, str, bool], None] | None = None) -> TcpEndpoint | ZmqEndpoint:
     if transport == "tcp":
         return TcpEndpoint(bind_host, on_lost=on_lost)
     if transport == "zmq":

@@ -158,6 +158,34 @@ def decode(frames: Sequence[Any], key: bytes | None = None) -> Message:
 # ----------------------------------------------------------------------------------- codecs
 
 
+class _OutOfBand:
+    """Pickles a large bytes/bytearray as a PickleBuffer (the pickler fast-paths both types
+    in band, and never asks ``reducer_override`` about them)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: bytes | bytearray) -> None:
+        self.obj = obj
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return type(self.obj), (pickle.PickleBuffer(self.obj),)
+
+
+def _wrap_large(obj: Any, depth: int = 0) -> Any:
+    t = type(obj)
+    if t in (bytes, bytearray):
+        return _OutOfBand(obj) if len(obj) >= OOB_THRESHOLD else obj
+    if depth >= 4:
+        return obj
+    if t is dict:
+        return {k: _wrap_large(v, depth + 1) for k, v in obj.items()}
+    if t is list:
+        return [_wrap_large(v, depth + 1) for v in obj]
+    if t is tuple:
+        return tuple(_wrap_large(v, depth + 1) for v in obj)
+    return obj
+
+
 def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
     """Encode ``obj``: returns (payload, out-of-band buffers)."""
     if codec == PICKLE:
@@ -172,6 +200,11 @@ def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
 
         try:
             data = pickle.dumps(obj, protocol=5, buffer_callback=keep_large)
+            if len(data) >= OOB_THRESHOLD:
+                # large bytes/bytearray are pickled in band; pickle again, passing them out
+                # of band (only large messages pay for this second, cheap pass)
+                bufs.clear()
+                data = pickle.dumps(_wrap_large(obj), protocol=5, buffer_callback=keep_large)
         except Exception as e:  # pickling runs user code: anything can come out
             raise CodecError(f"cannot pickle {type(obj).__name__}: {e}") from e
         return data, tuple(bufs)

@@ -1,0 +1,48 @@
+"""The data-only codec (``codec="msgpack"``): never runs code on decode.
+
+Tuples travel as an extension type so a tuple comes back a tuple (lists stay lists). Anything
+msgpack cannot represent raises :class:`ctrlcomm.CodecError` naming the type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._errors import CodecError
+
+_TUPLE = 1
+
+
+def _msgpack() -> Any:
+    try:
+        import msgpack
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise CodecError("codec='msgpack' needs msgpack: pip install 'ctrlcomm[msgpack]'") from None
+    return msgpack
+
+
+def _default(obj: Any) -> Any:
+    m = _msgpack()
+    if isinstance(obj, tuple):
+        return m.ExtType(_TUPLE, dumps(list(obj)))
+    raise TypeError(f"cannot encode an object of type {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == _TUPLE:
+        return tuple(loads(data))
+    raise ValueError(f"unknown msgpack extension {code}")
+
+
+def dumps(obj: Any) -> bytes:
+    m = _msgpack()
+    try:
+        return m.packb(obj, default=_default, use_bin_type=True, strict_types=True)  # type: ignore[no-any-return]
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CodecError(f"codec 'msgpack' cannot encode {type(obj).__name__}: {e}") from None
+
+
+def loads(data: Any) -> Any:
+    m = _msgpack()
+    return m.unpackb(bytes(data), ext_hook=_ext_hook, raw=False, strict_map_key=False,
+                     use_list=True)

@@ -1,0 +1,116 @@
+"""Run a function in N real processes (spawned), one per rank, and collect the results."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailedError(AssertionError):
+    """One or more ranks raised, crashed or did not finish in time."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (bound to port 0 by the OS, then released)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
+           kwargs: dict[str, Any], q: Any) -> None:
+    try:
+        out = fn(rank, size, *args, **kwargs)
+    except BaseException as e:
+        q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    try:
+        q.put((rank, True, out))
+    except Exception as e:  # unpicklable result
+        q.put((rank, False, f"result not picklable: {e}"))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+              start_method: str = "spawn", **kwargs: Any) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new processes.
+
+    ``fn`` must be importable (a module-level function). Returns the results in rank order.
+    Raises :class:`RankFailedError` with every failing rank's traceback if any rank raised,
+    exited without a result, or was still running after ``timeout`` seconds (such ranks are
+    killed, by pid: only processes this call started).
+    """
+    ctx = mp.get_context(start_method)
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, kwargs, q), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    failures: dict[int, str] = {}
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, out = q.get(timeout=0.2)
+                results[rank] = (ok, out)
+                continue
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in results and p.exitcode is not None and q.empty():
+                    # allow the queue's feeder thread a moment to deliver
+                    time.sleep(0.2)
+                    if q.empty() and r not in results:
+                        results[r] = (False, f"exited with code {p.exitcode} and no result")
+            if time.monotonic() > deadline:
+                for r in range(world_size):
+                    if r not in results:
+                        results[r] = (False, f"still running after {timeout:g} s")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline + 5 - time.monotonic())))
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
+        q.close()
+    for r, (ok, out) in sorted(results.items()):
+        if not ok:
+            failures[r] = str(out)
+    if failures:
+        text = "\n".join(f"--- rank {r}: {msg}" for r, msg in failures.items())
+        raise RankFailedError(f"{len(failures)} of {world_size} ranks failed:\n{text}", failures)
+    return [results[r][1] for r in range(world_size)]
+
+
+def _group_child(rank: int, size: int, fn: Callable[..., Any], port: int,
+                 group_kwargs: dict[str, Any], args: tuple[Any, ...]) -> Any:
+    from .. import Group
+
+    kw = {"timeout": 30.0, **group_kwargs}
+    with Group.create("127.0.0.1", port, rank, size, host_store=False, **kw) as g:
+        return fn(g, *args)
+
+
+def run_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+              group_kwargs: dict[str, Any] | None = None) -> list[Any]:
+    """Like :func:`run_ranks`, but each rank calls ``fn(group, *args)`` with a formed group.
+
+    The store is served from this (the parent) process on a free loopback port.
+    """
+    from .._transport import StoreServer
+
+    with StoreServer("127.0.0.1", 0) as srv:
+        return run_ranks(_group_child, world_size, fn, srv.port, group_kwargs or {}, args,
+                         timeout=timeout)

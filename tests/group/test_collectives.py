@@ -1,0 +1,216 @@
+"""Every collective, blocking and awaited, on real processes over real sockets.
+
+Each rank runs the whole table once and returns its results; the parent compares them with
+the sequential reference. World sizes 1, 2, 3, 4, 5 and 8, and both transports.
+"""
+
+import asyncio
+import operator
+
+import pytest
+
+from ctrlcomm.testing import run_group
+
+
+def val(r):
+    return (r * 37) % 11 - 5
+
+
+def table(n):
+    """(name, call(g, r) -> awaitable or value, expected(r)) for every collective."""
+    vals = [val(r) for r in range(n)]
+    root = n - 1
+    return [
+        ("barrier", lambda g, a, r: a.barrier(), lambda r: None),
+        ("broadcast", lambda g, a, r: a.broadcast({"v": [r, "x"]} if r == root else None, src=root),
+         lambda r: {"v": [root, "x"]}),
+        ("broadcast0", lambda g, a, r: a.broadcast(("t", r)), lambda r: ("t", 0)),
+        ("gather", lambda g, a, r: a.gather(("g", r), dst=root),
+         lambda r: [("g", i) for i in range(n)] if r == root else None),
+        ("all_gather", lambda g, a, r: a.all_gather({"rank": r}), lambda r: [{"rank": i} for i in range(n)]),
+        ("scatter", lambda g, a, r: a.scatter([f"s{i}" for i in range(n)] if r == 0 else None, src=0),
+         lambda r: f"s{r}"),
+        ("reduce", lambda g, a, r: a.reduce((vals[r], 1), dst=0),
+         lambda r: (sum(vals), n) if r == 0 else None),
+        ("all_reduce_sum", lambda g, a, r: a.all_reduce(vals[r]), lambda r: sum(vals)),
+        ("all_reduce_max_tuple", lambda g, a, r: a.all_reduce((vals[r], -vals[r], 2**70 + r), op="max"),
+         lambda r: (max(vals), -min(vals), 2**70 + n - 1)),
+        ("all_reduce_min_list", lambda g, a, r: a.all_reduce([vals[r], r], op="min"),
+         lambda r: [min(vals), 0]),
+        ("all_reduce_prod", lambda g, a, r: a.all_reduce(r + 1, op="prod"),
+         lambda r: __import__("math").factorial(n)),
+        ("all_reduce_band", lambda g, a, r: a.all_reduce(0xFF ^ (1 << r), op="band"),
+         lambda r: 0xFF & ~((1 << n) - 1) if n < 8 else 0),
+        ("all_reduce_bor", lambda g, a, r: a.all_reduce(1 << r, op="bor"), lambda r: (1 << n) - 1),
+        ("all_reduce_land", lambda g, a, r: a.all_reduce(r != 1, op="land"), lambda r: n < 2),
+        ("all_reduce_lor", lambda g, a, r: a.all_reduce(r == n - 1, op="lor"), lambda r: True),
+        ("all_reduce_callable", lambda g, a, r: a.all_reduce(frozenset([r]), op=operator.or_),
+         lambda r: frozenset(range(n))),
+        ("all_reduce_float", lambda g, a, r: a.all_reduce(0.1 * (r + 1)),
+         lambda r: pytest.approx(sum(0.1 * (i + 1) for i in range(n)))),
+        ("all_to_all", lambda g, a, r: a.all_to_all([(r, j) for j in range(n)]),
+         lambda r: [(i, r) for i in range(n)]),
+        ("big_broadcast", lambda g, a, r: a.broadcast(bytes(range(256)) * 4096 if r == 0 else None),
+         lambda r: bytes(range(256)) * 4096),
+    ]
+
+
+def run_table_blocking(g):
+    r = g.rank
+    return [(name, call(g, g, r)) for name, call, _ in table(g.world_size)]
+
+
+def run_table_awaited(g):
+    async def main():
+        out = []
+        for name, call, _ in table(g.world_size):
+            out.append((name, await call(g, g.aio, r)))
+        return out
+
+    r = g.rank
+    return asyncio.run(main())
+
+
+def check(results, n):
+    for r, got in enumerate(results):
+        for (name, value), (_, _, expected) in zip(got, table(n), strict=True):
+            assert value == expected(r), f"{name} on rank {r} of {n}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("mode", ["blocking", "awaited"])
+def test_every_collective(n, mode):
+    fn = run_table_blocking if mode == "blocking" else run_table_awaited
+    check(run_group(fn, n, timeout=90), n)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_every_collective_over_zeromq(n):
+    check(run_group(run_table_blocking, n, timeout=90, group_kwargs={"transport": "zmq"}), n)
+
+
+def mixed(g):
+    async def aio_part():
+        return await g.aio.all_reduce(g.rank, op="max")
+
+    out = [g.all_reduce(1)]
+    out.append(asyncio.run(aio_part()))
+    out.append(g.broadcast("b", src=0))
+    out.append(asyncio.run(g.aio.all_gather(g.rank)))
+    out.append(g.stats()["seq"])
+    return out
+
+
+def test_blocking_and_awaited_calls_share_one_sequence():
+    n = 3
+    for got in run_group(mixed, n):
+        assert got == [n, n - 1, "b", list(range(n)), 4]
+
+
+def ticker_while_waiting(g):
+    """Rank 0 waits in an awaited all_reduce while rank 1 sleeps; a ticker must keep ticking."""
+    import time
+
+    async def main():
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        t = asyncio.create_task(ticker())
+        if g.rank == 1:
+            time.sleep(0.6)  # this rank is late: rank 0 must wait
+        result = await g.aio.all_reduce((g.rank, 5), op="max")
+        stop.set()
+        await t
+        return result, ticks
+
+    return asyncio.run(main())
+
+
+def test_event_loop_keeps_running_while_a_collective_waits():
+    (r0, ticks0), (r1, _) = run_group(ticker_while_waiting, 2)
+    assert r0 == r1 == (1, 5)
+    assert ticks0 >= 10, f"ticker advanced only {ticks0} times during a 0.6 s wait"
+
+
+def group_gets_more_than_one_group(rank, size, port_a, port_b):
+    from ctrlcomm import Group
+
+    # vLLM's scenario: every rank in group A (ranks 0-3); ranks 2 and 3 also in group B,
+    # whose rank 0 (global rank 2) hosts B's own store on another port.
+    a = Group.create("127.0.0.1", port_a, rank, size, name="a", timeout=30)
+    b = None
+    if rank >= 2:
+        b = Group.create("127.0.0.1", port_b, rank - 2, 2, name="b", timeout=30)
+    out = [a.all_reduce(1)]
+    if b is not None:
+        out.append(b.all_gather(rank))
+        out.append(b.broadcast(f"from{rank}", src=1))
+    out.append(a.all_gather(rank))
+    if b is not None:
+        b.close()
+    a.close()
+    return out
+
+
+def test_two_overlapping_groups_on_different_ports():
+    from ctrlcomm.testing import free_port, run_ranks
+
+    res = run_ranks(group_gets_more_than_one_group, 4, free_port(), free_port())
+    assert res[0] == res[1] == [4, [0, 1, 2, 3]]
+    assert res[2] == res[3] == [4, [2, 3], "from3", [0, 1, 2, 3]]
+
+
+def p2p_two_senders(g):
+    n = 300
+    if g.rank in (1, 2):
+        for i in range(n):
+            g.send((g.rank, i), dst=0)
+            g.send(("tagged", g.rank, i), dst=0, tag=7)
+        return None
+    # receive interleaving sources and tags: every stream must come in its own order
+    got = {1: [], 2: [], (1, 7): [], (2, 7): []}
+    for i in range(n):
+        for src in (2, 1):
+            got[(src, 7)].append(g.recv(src, tag=7))
+            got[src].append(g.recv(src))
+    return got
+
+
+def test_p2p_order_per_source_and_tag_with_two_senders():
+    got = run_group(p2p_two_senders, 3)[0]
+    for src in (1, 2):
+        assert got[src] == [(src, i) for i in range(300)]
+        assert got[(src, 7)] == [("tagged", src, i) for i in range(300)]
+
+
+def p2p_ring(g):
+    n = g.world_size
+    g.send(("hello", g.rank), (g.rank + 1) % n)
+    return g.recv((g.rank - 1) % n)
+
+
+def test_p2p_ring():
+    res = run_group(p2p_ring, 5)
+    assert res == [("hello", (r - 1) % 5) for r in range(5)]
+
+
+def reuse_name_after_formation(rank, size, port):
+    from ctrlcomm import Group
+
+    out = []
+    for i in range(3):  # same store, same name, formed again after each close
+        with Group.create("127.0.0.1", port, rank, size, name="again", timeout=30) as g:
+            out.append(g.all_reduce(i))
+    return out
+
+
+def test_same_name_can_be_formed_again_on_one_store():
+    from ctrlcomm.testing import free_port, run_ranks
+
+    assert run_ranks(reuse_name_after_formation, 3, free_port()) == [[0, 3, 6]] * 3

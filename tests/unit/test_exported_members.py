@@ -1,0 +1,22 @@
+import ctrlcomm
+
+
+def test_all_is_pinned():
+    assert sorted(ctrlcomm.__all__) == sorted([
+        "AioGroup", "CodecError", "CollectiveTimeoutError", "ConcurrentUseError",
+        "CtrlcommError", "FormationError", "FormationTimeoutError", "Group",
+        "GroupBrokenError", "GroupClosedError", "InvalidArgumentError", "MismatchError",
+        "PeerLostError", "ReductionError", "StoreClient", "StoreError", "StoreServer",
+        "StoreTimeoutError", "__version__",
+    ])
+    for name in ctrlcomm.__all__:
+        assert hasattr(ctrlcomm, name)
+
+
+def test_every_error_derives_from_one_base():
+    for name in ctrlcomm.__all__:
+        obj = getattr(ctrlcomm, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, ctrlcomm.CtrlcommError)
+    assert issubclass(ctrlcomm.CollectiveTimeoutError, TimeoutError)
+    assert issubclass(ctrlcomm.InvalidArgumentError, ValueError)

@@ -1,0 +1,123 @@
+"""Every plan, every world size 1..33, random delivery orders, against a sequential reference."""
+
+import math
+import operator
+from functools import reduce as freduce
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ctrlcomm import _ops, _plans
+from ctrlcomm.testing import DeadlockError, simulate
+
+sizes = st.integers(min_value=1, max_value=33)
+seeds = st.integers(min_value=0, max_value=2**32 - 1)
+
+
+def values(n):
+    return [(r * 7919 + 13) % 1000 - 500 for r in range(n)]
+
+
+@given(n=sizes, seed=seeds)
+def test_barrier(n, seed):
+    res = simulate(_plans.barrier, n, seed=seed)
+    assert res.results == [None] * n
+
+
+@given(n=sizes, seed=seeds, data=st.data())
+def test_broadcast(n, seed, data):
+    root = data.draw(st.integers(0, n - 1))
+    res = simulate(lambda c: _plans.broadcast(c, {"from": c.rank, "v": [1, 2]}, root), n, seed=seed)
+    assert res.results == [{"from": root, "v": [1, 2]}] * n
+
+
+@given(n=sizes, seed=seeds, data=st.data())
+def test_gather(n, seed, data):
+    root = data.draw(st.integers(0, n - 1))
+    res = simulate(lambda c: _plans.gather(c, ("r", c.rank), root), n, seed=seed)
+    for r in range(n):
+        assert res.results[r] == ([("r", i) for i in range(n)] if r == root else None)
+
+
+@given(n=sizes, seed=seeds, data=st.data())
+def test_scatter(n, seed, data):
+    root = data.draw(st.integers(0, n - 1))
+    objs = [f"item{i}" for i in range(n)]
+    res = simulate(lambda c: _plans.scatter(c, objs if c.rank == root else None, root), n,
+                   seed=seed)
+    assert res.results == objs
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min", "band", "bor", "land", "lor"])
+@given(n=sizes, seed=seeds, data=st.data())
+def test_reduce_and_all_reduce(op, n, seed, data):
+    root = data.draw(st.integers(0, n - 1))
+    vals = values(n)
+    combine = _ops.safe(_ops.resolve(op, "t", 0))
+    expected = freduce(combine, [(v, 1) for v in vals])
+    res = simulate(lambda c: _plans.reduce(c, (vals[c.rank], 1), combine, root), n, seed=seed)
+    assert res.results[root] == expected
+    for plan in (_plans.all_reduce_doubling, _plans.all_reduce_flat):
+        res = simulate(lambda c, p=plan: p(c, (vals[c.rank], 1), combine), n, seed=seed)
+        assert res.results == [expected] * n
+
+
+@given(n=sizes, seed=seeds)
+def test_all_reduce_float_results_identical_on_all_ranks(n, seed):
+    vals = [0.1 * (r + 1) ** 1.7 for r in range(n)]
+    res = simulate(lambda c: _plans.all_reduce_doubling(c, vals[c.rank], operator.add), n,
+                   seed=seed)
+    assert len({repr(x) for x in res.results}) == 1
+    assert math.isclose(res.results[0], sum(vals))
+
+
+@given(n=sizes, seed=seeds)
+def test_all_gather(n, seed):
+    for plan in (_plans.all_gather_bruck, _plans.all_gather_flat):
+        res = simulate(lambda c, p=plan: p(c, {"rank": c.rank}), n, seed=seed)
+        assert res.results == [[{"rank": i} for i in range(n)]] * n
+
+
+@given(n=sizes, seed=seeds)
+def test_all_to_all(n, seed):
+    res = simulate(lambda c: _plans.all_to_all(c, [(c.rank, j) for j in range(n)]), n, seed=seed)
+    for r in range(n):
+        assert res.results[r] == [(i, r) for i in range(n)]
+
+
+def test_failed_reduction_keeps_every_rank_in_step():
+    combine = _ops.safe(_ops.resolve("sum", "t", 0))
+    vals = [(1, 2)] * 5 + [(1, 2, 3)]
+    res = simulate(lambda c: _plans.all_reduce_doubling(c, vals[c.rank], combine), 6)
+    assert all(isinstance(x, _ops.Failed) for x in res.results)
+    assert "different lengths" in res.results[0].message
+
+
+def test_simulator_detects_deadlock():
+    def bad(ctx):
+        got = yield _plans.Step(0, recvs=((ctx.rank + 1) % ctx.size,))
+        return got
+
+    with pytest.raises(DeadlockError):
+        simulate(bad, 3)
+
+
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [
+        ("barrier", lambda c: _plans.barrier(c)),
+        ("broadcast", lambda c: _plans.broadcast(c, 1, 0)),
+        ("all_reduce", lambda c: _plans.all_reduce_doubling(c, 1, operator.add)),
+        ("all_gather", lambda c: _plans.all_gather_bruck(c, 1)),
+        ("reduce", lambda c: _plans.reduce(c, 1, operator.add, 0)),
+        ("gather", lambda c: _plans.gather(c, 1, 0)),
+        ("scatter", lambda c: _plans.scatter(c, list(range(c.size)) if c.rank == 0 else None, 0)),
+    ],
+)
+def test_messages_and_hops_grow_logarithmically(name, make):
+    for n in [1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 64, 100, 128]:
+        res = simulate(make, n)
+        bound = math.ceil(math.log2(n)) + 2 if n > 1 else 0
+        assert max(res.sends) <= bound, (name, n, res.sends)
+        assert max(res.steps) <= bound, (name, n, res.steps)

@@ -1,0 +1,75 @@
+"""The store's pure state machine (no sockets)."""
+
+import itertools
+
+from ctrlcomm import _wire as w
+from ctrlcomm._store import StoreState
+
+
+_ids = itertools.count(100)
+
+
+def req(op, keys, values=(), timeout=0.0, rid=None):
+    return w.StoreRequest(op, next(_ids) if rid is None else rid, timeout, tuple(keys),
+                          tuple(values))
+
+
+def test_set_get_add_delete():
+    s = StoreState()
+    assert s.handle(b"p", req(w.S_SET, [b"k"], [b"v"]), 0)[0][1].status == w.R_OK
+    assert s.handle(b"p", req(w.S_GET, [b"k"]), 0)[0][1].values == (b"v",)
+    assert s.handle(b"p", req(w.S_ADD, [b"n"], [b"5"]), 0)[0][1].values == (b"5",)
+    assert s.handle(b"p", req(w.S_ADD, [b"n"], [b"-2"]), 0)[0][1].values == (b"3",)
+    assert s.handle(b"p", req(w.S_DELETE, [b"k", b"zz"]), 0)[0][1].values == (b"1",)
+
+
+def test_waiting_get_is_answered_by_a_later_set_or_expires():
+    s = StoreState()
+    assert s.handle(b"a", req(w.S_GET, [b"x", b"y"], timeout=5, rid=9), 0.0) == []
+    assert s.next_deadline() == 5.0
+    s.handle(b"b", req(w.S_SET, [b"x"], [b"1"]), 1.0)
+    out = s.handle(b"b", req(w.S_SET, [b"y"], [b"2"]), 1.0)
+    assert (b"a", w.StoreReply(w.R_OK, 9, (b"1", b"2"))) in out
+    s.handle(b"a", req(w.S_WAIT, [b"z"], timeout=2, rid=10), 1.0)
+    assert s.expire(2.0) == []
+    (peer, rep), = s.expire(3.0)
+    assert peer == b"a" and rep.status == w.R_TIMEOUT and rep.values == (b"z",)
+
+
+def test_compare_set():
+    s = StoreState()
+    ok = s.handle(b"p", req(w.S_CAS, [b"k"], [b"1", b"", b"first"]), 0)[0][1]
+    assert ok.status == w.R_OK
+    again = s.handle(b"p", req(w.S_CAS, [b"k"], [b"1", b"", b"second"]), 0)[0][1]
+    assert again.status == w.R_CAS_FAIL and again.values == (b"first",)
+    swap = s.handle(b"p", req(w.S_CAS, [b"k"], [b"0", b"first", b"third"]), 0)[0][1]
+    assert swap.status == w.R_OK and s.data[b"k"] == b"third"
+
+
+def test_bad_requests_are_refused_not_raised():
+    s = StoreState()
+    assert s.handle(b"p", req(w.S_ADD, [b"k"], [b"notanint"]), 0)[0][1].status == w.R_ERROR
+    assert s.handle(b"p", req(w.S_SET, [b"a", b"b"], [b"v"]), 0)[0][1].status == w.R_ERROR
+    assert s.handle(b"p", req(w.S_SET, [b"k" * 5000], [b"v"]), 0)[0][1].status == w.R_ERROR
+
+
+def test_delete_prefix():
+    s = StoreState()
+    for k in (b"g/a", b"g/b", b"h/a"):
+        s.handle(b"p", req(w.S_SET, [k], [b"v"]), 0)
+    assert s.handle(b"p", req(w.S_DELETE_PREFIX, [b"g/"]), 0)[0][1].values == (b"2",)
+    assert list(s.data) == [b"h/a"]
+
+
+def test_a_resent_request_is_answered_again_never_applied_twice():
+    s = StoreState()
+    add = req(w.S_ADD, [b"n"], [b"1"], rid=5)
+    first = s.handle(b"p", add, 0)
+    assert s.handle(b"p", add, 0) == first
+    assert s.data[b"n"] == b"1"
+    assert s.handle(b"q", req(w.S_ADD, [b"n"], [b"1"], rid=5), 0)[0][1].values == (b"2",)
+    wait = req(w.S_GET, [b"later"], timeout=5, rid=6)
+    assert s.handle(b"p", wait, 0) == [] and s.handle(b"p", wait, 0) == []
+    assert len(s.waiters) == 1
+    s.handle(b"q", req(w.S_SET, [b"later"], [b"v"]), 1)
+    assert s.handle(b"p", wait, 1) == [(b"p", w.StoreReply(w.R_OK, 6, (b"v",)))]

@@ -1,0 +1,163 @@
+"""The pure framing module: round trips, and any garbage decodes or raises WireError only."""
+
+import pickle
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ctrlcomm import _wire as w
+from ctrlcomm._errors import CodecError, WireError
+
+KEY = b"k" * 32
+
+
+def msg(**kw):
+    base = dict(kind=w.COLL, src=3, group_id=0xABCDEF, seq=12, round=2, op=7, root=1,
+                codec=w.PICKLE, payload=pickle.dumps({"a": 1}), buffers=())
+    base.update(kw)
+    return w.Message(**base)
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_round_trip(key):
+    m = msg()
+    assert w.decode(w.encode(m, key), key) == m
+
+
+def test_large_buffers_travel_out_of_band():
+    big = bytearray(range(256)) * 1024  # 256 KiB
+    payload, bufs = w.dumps({"x": big, "small": b"abc"}, w.PICKLE)
+    assert len(bufs) == 1 and memoryview(bufs[0]).nbytes == len(big)
+    assert len(payload) < 1000
+    frames = w.encode(msg(payload=payload, buffers=bufs))
+    m = w.decode([bytes(f) for f in frames])
+    assert w.loads(m.payload, m.buffers, m.codec) == {"x": big, "small": b"abc"}
+
+
+def test_small_buffers_stay_in_band():
+    payload, bufs = w.dumps(b"x" * 100, w.PICKLE)
+    assert bufs == ()
+
+
+def test_unpicklable_raises_codec_error():
+    with pytest.raises(CodecError, match="lambda|pickle"):
+        w.dumps(lambda: 1, w.PICKLE)
+
+
+def test_mac_rejects_tampering_and_wrong_key():
+    frames = w.encode(msg(), KEY)
+    for i in range(len(frames)):
+        bad = [bytearray(f) for f in frames]
+        bad[i][len(bad[i]) // 2] ^= 1
+        with pytest.raises(WireError):
+            w.decode([bytes(f) for f in bad], KEY)
+    with pytest.raises(WireError):
+        w.decode(frames, b"other key")
+    with pytest.raises(WireError):
+        w.decode(w.encode(msg()), KEY)  # unauthenticated frame into an authenticated group
+
+
+def test_other_version_and_kinds_rejected():
+    frames = w.encode(msg())
+    head = bytearray(frames[0])
+    head[2] = 99
+    with pytest.raises(WireError, match="version"):
+        w.decode([bytes(head), *frames[1:]])
+    head = bytearray(frames[0])
+    head[3] = 200
+    with pytest.raises(WireError, match="kind"):
+        w.decode([bytes(head), *frames[1:]])
+
+
+@given(st.lists(st.binary(max_size=80), max_size=6))
+def test_decode_garbage_frames(frames):
+    try:
+        w.decode(frames)
+    except WireError:
+        pass
+
+
+@given(st.binary(max_size=60), st.lists(st.binary(max_size=20), max_size=4))
+def test_decode_garbage_after_valid_header(tail, extra):
+    frames = w.encode(msg())
+    try:
+        w.decode([frames[0][: len(tail) % (w.HEADER.size + 1)] + tail, *extra])
+    except WireError:
+        pass
+
+
+def _stream(frames_list):
+    out = b""
+    for frames in frames_list:
+        out += w.stream_prefix(frames) + b"".join(bytes(f) for f in frames)
+    return out
+
+
+@given(st.lists(st.lists(st.binary(max_size=50), min_size=1, max_size=4), max_size=5),
+       st.integers(1, 17))
+def test_stream_decoder_any_split(messages, chunk):
+    data = _stream(messages)
+    d = w.StreamDecoder()
+    got = []
+    for i in range(0, len(data), chunk):
+        got += d.feed(data[i : i + chunk])
+    assert got == messages
+    assert d.pending() == 0
+
+
+@given(st.binary(max_size=300))
+def test_stream_decoder_garbage(data):
+    d = w.StreamDecoder()
+    try:
+        for i in range(0, len(data), 7):
+            d.feed(data[i : i + 7])
+    except WireError:
+        pass
+
+
+def test_stream_decoder_refuses_huge_length_without_buffering():
+    d = w.StreamDecoder()
+    with pytest.raises(WireError, match="exceeds"):
+        d.feed(w.STREAM_HEAD.pack(w.STREAM_MAGIC, 1) + struct.pack("<Q", 1 << 60))
+
+
+def test_stream_decoder_trailing_partial_kept():
+    frames = [b"abc", b"defg"]
+    data = _stream([frames]) + b"CF"
+    d = w.StreamDecoder()
+    assert d.feed(data) == [frames]
+    assert d.pending() == 2
+
+
+def test_store_protocol_round_trip():
+    req = w.StoreRequest(w.S_CAS, 7, 1.5, (b"k",), (b"1", b"", b"v"))
+    assert w.decode_store_request(w.encode_store_request(req)) == req
+    rep = w.StoreReply(w.R_OK, 7, (b"v",))
+    assert w.decode_store_reply(w.encode_store_reply(rep)) == rep
+
+
+@given(st.lists(st.binary(max_size=40), max_size=5))
+def test_store_decoders_garbage(frames):
+    for dec in (w.decode_store_request, w.decode_store_reply):
+        try:
+            dec(frames)
+        except WireError:
+            pass
+
+
+def test_store_request_nan_timeout_rejected():
+    frames = w.encode_store_request(w.StoreRequest(w.S_GET, 1, 0.0, (b"k",)))
+    head = bytearray(frames[0])
+    struct.pack_into("<d", head, 8, float("nan"))
+    with pytest.raises(WireError):
+        w.decode_store_request([bytes(head), *frames[1:]])
+
+
+def test_msgpack_codec_keeps_tuples_and_refuses_objects():
+    obj = {"a": (1, 2, [3, (4,)]), "b": b"raw", "c": None, "big": 2**63 - 1}
+    payload, bufs = w.dumps(obj, w.MSGPACK)
+    assert w.loads(payload, bufs, w.MSGPACK) == obj
+    with pytest.raises(CodecError, match="msgpack"):
+        w.dumps(object(), w.MSGPACK)
