@@ -178,7 +178,7 @@ class Core:
         a = self.active
         if a is None:
             return f"idle (last call: {self.last})"
-        what = f"{a[0]} #{a[1]}" if a[1] >= 0 else a[0]
+        what = f"{describe(a[2], a[3])} #{a[1]}" if a[1] >= 0 else a[0]
         return f"in {what}, waiting for ranks {self.waiting_for}"
 
     # -------------------------------------------------------------------------- sending

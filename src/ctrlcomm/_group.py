@@ -587,6 +587,14 @@ class AioGroup:
 # ---------------------------------------------------------------------------- rendezvous
 
 
+def _missing_ranks(store: StoreClient, keys: list[str]) -> list[int]:
+    """Ranks whose key is absent; [] when the store cannot tell (best effort, 2 s)."""
+    try:
+        return [r for r, h in enumerate(store.exists(keys, timeout=2.0)) if not h]
+    except StoreError:
+        return []
+
+
 def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: str,
                 deadline: float) -> tuple[str, dict[int, str]]:
     """Publish this rank's address; return (nonce, {rank: address}) of the formed group.
@@ -609,8 +617,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         try:
             store.wait(keys, timeout=left())
         except StoreTimeoutError:
-            have = store.exists(keys, timeout=5.0)
-            missing = [r for r, h in enumerate(have) if not h]
+            missing = _missing_ranks(store, keys)
             raise FormationTimeoutError(
                 f"group {name!r} not formed: ranks {missing} did not join within the timeout",
                 missing=missing) from None
@@ -630,11 +637,11 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         try:
             lines = store.get("table", timeout=left()).decode().split("\n")
         except StoreTimeoutError:
-            have = store.exists(keys, timeout=5.0)
-            missing = [r for r, h in enumerate(have) if not h]
+            missing = _missing_ranks(store, keys)
             raise FormationTimeoutError(
                 f"group {name!r} not formed within the timeout on rank {rank}: "
-                + (f"ranks {missing} did not join" if missing else "rank 0 published no table"),
+                + (f"ranks {missing} did not join" if missing else
+                   "rank 0 published no address table (is rank 0 alive, and its store?)"),
                 missing=missing) from None
         if len(lines) == size + 1 and lines[1 + rank] == address:
             break

@@ -468,7 +468,11 @@ class TcpEndpoint:
             return
         parts = [w.stream_prefix(frames), *frames]
         if c.pending or c.connecting:
-            c.pending.extend(memoryview(p).cast("B") for p in parts)
+            for p in parts:
+                v = memoryview(p).cast("B")
+                if v.nbytes:  # an empty view would make sendmsg return 0 forever
+                    c.pending.append(v)
+            self._register(c, select.EPOLLOUT | select.EPOLLIN)
             return
         try:
             n = c.sock.sendmsg(parts)
@@ -484,7 +488,7 @@ class TcpEndpoint:
                 if n >= v.nbytes:
                     n -= v.nbytes
                     continue
-                c.pending.append(v[n:])
+                c.pending.append(v[n:])  # never empty: n < v.nbytes here
                 n = 0
             self._register(c, select.EPOLLOUT | select.EPOLLIN)
 

@@ -1,0 +1,350 @@
+"""Deadlines, mismatches, bad input and states, with real ranks over real sockets."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import ctrlcomm
+from ctrlcomm.testing import RankFailedError, free_port, run_group, run_ranks
+
+
+def one_rank_absent(g):
+    """Rank 2 never calls: the others time out naming it, within (about) the deadline."""
+    if g.rank == 2:
+        time.sleep(2.0)
+        return None
+    t = time.monotonic()
+    try:
+        g.all_reduce(1, timeout=0.8)
+    except ctrlcomm.CollectiveTimeoutError as e:
+        took = time.monotonic() - t
+        after = None
+        try:
+            g.barrier()
+        except ctrlcomm.GroupBrokenError as b:
+            after = str(b)
+        return str(e), e.op, e.seq, e.group, e.waiting_for, took, after
+    return "no error"
+
+
+def test_timeout_names_op_seq_group_and_missing_rank():
+    res = run_group(one_rank_absent, 3)
+    for r in (0, 1):
+        msg, op, seq, group, waiting, took, after = res[r]
+        assert op == "all_reduce" and seq == 0 and group == "default"
+        assert "all_reduce #0" in msg and "'default'" in msg
+        assert 2 in waiting and f"[{2}]" in msg or "2]" in msg
+        assert 0.7 < took < 1.5, took
+        assert after is not None and "timed out" in after  # broken, naming the first cause
+
+
+def both_receive(g):
+    """Each rank waits to receive a broadcast from the other: nobody sends, both time out,
+    and each timeout says what the other rank was doing."""
+    t = time.monotonic()
+    try:
+        g.broadcast(None, src=1 - g.rank, timeout=1.5)
+    except ctrlcomm.CollectiveTimeoutError as e:
+        return str(e), e.peer_states, time.monotonic() - t
+    return None
+
+
+def test_timeout_reports_what_each_peer_is_doing():
+    res = run_group(both_receive, 2)
+    for r, (msg, states, took) in enumerate(res):
+        other = 1 - r
+        assert f"rank {other}: in broadcast(root={r}) #0" in msg, msg
+        assert states[other].startswith(f"in broadcast(root={r}) #0")
+        assert took < 2.0
+
+
+def mismatched_ops(g):
+    try:
+        if g.rank == 0:
+            g.all_reduce(1, timeout=5)
+        else:
+            g.all_gather("x", timeout=5)  # both send and both receive: both can tell
+    except ctrlcomm.MismatchError as e:
+        return "mismatch", str(e)
+    except ctrlcomm.CollectiveTimeoutError as e:
+        return "timeout", str(e)
+    return "ok", None
+
+
+def test_mismatch_raises_at_once_describing_both_sides():
+    t = time.monotonic()
+    res = run_group(mismatched_ops, 2)
+    assert time.monotonic() - t < 4.5  # at once, not after the 5 s deadline
+    for kind, msg in res:
+        assert kind == "mismatch", res
+        assert "all_reduce(op='sum')" in msg and "all_gather" in msg
+
+
+def different_reduction_ops(g):
+    try:
+        g.all_reduce(1, op="max" if g.rank == 0 else "sum", timeout=5)
+    except ctrlcomm.MismatchError as e:
+        return str(e)
+    return None
+
+
+def test_mismatch_of_reduction_op():
+    for msg in run_group(different_reduction_ops, 2):
+        assert msg and "op='max'" in msg and "op='sum'" in msg
+
+
+def bad_arguments_leave_the_group_working(g):
+    r, n = g.rank, g.world_size
+    errors = []
+    for call in [
+        lambda: g.broadcast(1, src=n),
+        lambda: g.broadcast(1, src=-1),
+        lambda: g.gather(1, dst="0"),
+        lambda: g.all_reduce(1, op="avg"),
+        lambda: g.all_reduce("text", op="sum"),
+        lambda: g.all_reduce(1.5, op="band"),
+        lambda: g.scatter([1] * (n + 1), src=r),
+        lambda: g.all_to_all([1]),
+        lambda: g.send(1, dst=r),
+        lambda: g.recv(src=n + 3),
+        lambda: g.barrier(timeout=0),
+        lambda: g.all_reduce(1, timeout=-1),
+    ]:
+        try:
+            call()
+        except ctrlcomm.InvalidArgumentError as e:
+            errors.append(str(e))
+    return errors, g.all_reduce(r), g.stats()["state"]
+
+
+def test_bad_arguments_are_clear_and_harmless():
+    res = run_group(bad_arguments_leave_the_group_working, 3)
+    for r, (errors, total, state) in enumerate(res):
+        assert len(errors) == 12
+        assert all(f"rank {r}" in e or "timeout" in e for e in errors), errors
+        assert "src=3 is not a rank" in errors[0]
+        assert "'avg'" in errors[3] and "4 objects" in errors[6]
+        assert total == 3 and state == "open"
+
+
+def reduction_error_everywhere(g):
+    vals = (1, 2) if g.rank != 1 else (1, 2, 3)
+    try:
+        g.all_reduce(vals)
+    except ctrlcomm.ReductionError as e:
+        return str(e), g.all_reduce(1)
+    return None
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_reduction_error_raised_on_every_rank_group_still_works(n):
+    for msg, after in run_group(reduction_error_everywhere, n):
+        assert "different lengths" in msg
+        assert after == n
+
+
+def recv_timeout_keeps_group(g):
+    if g.rank == 0:
+        try:
+            g.recv(1, timeout=0.3)
+        except ctrlcomm.CollectiveTimeoutError as e:
+            first = str(e)
+        g.barrier()
+        return first, g.recv(1)
+    g.barrier()
+    g.send("late", 0)
+    return None
+
+
+def test_recv_timeout_leaves_group_usable():
+    msg, late = run_group(recv_timeout_keeps_group, 2)[0]
+    assert "recv(src=1, tag=0)" in msg and "[1]" in msg
+    assert late == "late"
+
+
+def cancel_then_use(g):
+    async def main():
+        if g.rank == 0:
+            task = asyncio.ensure_future(g.aio.all_reduce(1))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            try:
+                await g.aio.barrier()
+            except ctrlcomm.GroupBrokenError as e:
+                return "broken", str(e)
+            return "not broken", ""
+        # recv cancel leaves the group usable
+        task = asyncio.ensure_future(g.aio.recv(0, tag=3))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return "ok", g.stats()["state"]
+
+    return asyncio.run(main())
+
+
+def test_cancelled_collective_breaks_cancelled_recv_does_not():
+    (k0, m0), (k1, s1) = run_group(cancel_then_use, 2)
+    assert k0 == "broken" and "cancelled" in m0
+    assert k1 == "ok" and s1 == "open"
+
+
+def two_threads(g):
+    if g.rank == 1:
+        time.sleep(0.5)
+        g.barrier()
+        return None
+    err = []
+
+    def other():
+        time.sleep(0.1)
+        try:
+            g.barrier()
+        except ctrlcomm.ConcurrentUseError as e:
+            err.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    g.barrier()  # busy for ~0.5 s waiting for rank 1
+    t.join()
+    return err, g.stats()["state"]
+
+
+def test_second_thread_gets_a_clear_error():
+    err, state = run_group(two_threads, 2)[0]
+    assert err and "busy with barrier" in err[0]
+    assert state == "open"
+
+
+def closed_group(g):
+    g.close()
+    g.close()  # idempotent
+    try:
+        g.barrier()
+    except ctrlcomm.GroupClosedError as e:
+        return str(e)
+
+
+def test_closed_group_says_so():
+    for msg in run_group(closed_group, 2):
+        assert "closed" in msg
+
+
+def peer_closed(g):
+    if g.rank == 1:
+        g.close()
+        return None
+    t = time.monotonic()
+    try:
+        g.recv(1, timeout=20)
+    except ctrlcomm.PeerLostError as e:
+        return str(e), e.ranks, time.monotonic() - t
+
+
+def test_peer_that_closed_is_reported_fast():
+    msg, ranks, took = run_group(peer_closed, 2)[0]
+    assert ranks == [1] and "rank 1" in msg and took < 5
+
+
+# ------------------------------------------------------------------------- formation
+
+
+def test_invalid_rank_and_world_size():
+    port = free_port()
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="rank 4 is out of range"):
+        ctrlcomm.Group.create("127.0.0.1", port, 4, 4)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="world_size must be >= 1"):
+        ctrlcomm.Group.create("127.0.0.1", port, 0, 0)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="rank must be an int"):
+        ctrlcomm.Group.create("127.0.0.1", port, "0", 2)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="codec"):
+        ctrlcomm.Group.create("127.0.0.1", port, 0, 1, codec="json")
+
+
+def test_port_in_use_names_the_address():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ctrlcomm.StoreError, match=f"127.0.0.1:{port}.*in use"):
+            ctrlcomm.Group.create("127.0.0.1", port, 0, 2, timeout=2)
+
+
+def test_formation_timeout_names_missing_ranks():
+    t = time.monotonic()
+    with pytest.raises(ctrlcomm.FormationTimeoutError, match=r"ranks \[1, 2\]") as e:
+        ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 3, timeout=1.0)
+    assert e.value.missing == [1, 2]
+    assert isinstance(e.value, TimeoutError)
+    assert time.monotonic() - t < 3
+
+
+def test_world_of_one_in_process():
+    with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1) as g:
+        assert g.all_reduce((1, 2)) == (1, 2)
+        assert g.all_gather("x") == ["x"]
+        assert g.gather(1) == [1] and g.reduce(5) == 5 and g.scatter(["a"]) == "a"
+        assert asyncio.run(g.aio.broadcast(7)) == 7
+        g.barrier()
+
+
+def duplicate_rank(rank, size, port):
+    try:
+        ctrlcomm.Group.create("127.0.0.1", port, min(rank, 1), 3, timeout=3)
+    except ctrlcomm.FormationError as e:
+        return type(e).__name__, str(e)
+    return "formed", ""
+
+
+def test_two_processes_with_one_rank():
+    res = run_ranks(duplicate_rank, 3, free_port())
+    kinds = [k for k, _ in res]
+    assert "FormationError" in kinds, res
+    msg = next(m for k, m in res if k == "FormationError")
+    assert "rank 1 already joined" in msg
+
+
+def from_env(rank, size, port, torchrun):
+    import os
+
+    if torchrun:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(size))
+    else:
+        os.environ.update(CTRLCOMM_HOST="127.0.0.1", CTRLCOMM_PORT=str(port),
+                          CTRLCOMM_RANK=str(rank), CTRLCOMM_WORLD_SIZE=str(size),
+                          CTRLCOMM_NAME="envgroup")
+    with ctrlcomm.Group.from_env() as g:
+        return g.name, g.rank, g.world_size, g.all_gather(g.rank)
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_from_env(torchrun):
+    res = run_ranks(from_env, 3, free_port(), torchrun)
+    for r, (name, rank, ws, ag) in enumerate(res):
+        assert (rank, ws, ag) == (r, 3, [0, 1, 2])
+        assert name == ("default" if torchrun else "envgroup")
+
+
+def test_from_env_missing_variables(monkeypatch):
+    for v in ("CTRLCOMM_HOST", "CTRLCOMM_PORT", "CTRLCOMM_RANK", "CTRLCOMM_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(v, raising=False)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="CTRLCOMM_PORT"):
+        ctrlcomm.Group.from_env()
+
+
+def test_rank_failure_is_reported_by_runner():
+    with pytest.raises(RankFailedError):
+        run_group(_raises, 2)
+
+
+def _raises(g):
+    raise RuntimeError("boom")
