@@ -1,0 +1,314 @@
+"""``ctrlcomm bench``: an OSU-style latency suite.
+
+Each rank runs, for every op and payload size: ``warmup`` untimed calls, then ``iters`` timed
+calls. Ops whose ranks finish at different times (rooted ones, send/recv) are followed by an
+untimed barrier, as OSU does, so one iteration cannot overlap the next. A figure is computed
+per iteration as the slowest rank's time (when the whole collective is done), then median and
+p99 across iterations. CPU time is the process CPU time per op, averaged over ranks: with
+waiting done by sleeping in the kernel it stays well below the latency.
+
+Systems are registered in :data:`SYSTEMS`; each is a function run in every rank that returns
+``{(op, size): {"times": [...], "cpu": seconds_per_op}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_OPS = ("barrier", "all_reduce", "broadcast", "all_gather", "gather", "scatter",
+               "all_to_all", "send_recv")
+SIZED_OPS = {"broadcast", "all_gather", "gather", "scatter", "all_to_all", "send_recv",
+             "all_reduce"}
+ROOTED = {"broadcast", "gather", "scatter", "send_recv"}
+SMALL = 64  # sizes up to this use the "small object" payload: a dict, or two ints to reduce
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper()
+    mult = 1
+    for suffix, m in (("K", 1024), ("M", 1024**2), ("G", 1024**3)):
+        if t.endswith(suffix) or t.endswith(suffix + "B") or t.endswith(suffix + "IB"):
+            mult = m
+            t = t.split(suffix)[0]
+            break
+    return int(float(t) * mult)
+
+
+def fmt_size(n: int) -> str:
+    for unit, m in (("M", 1024**2), ("K", 1024)):
+        if n >= m and n % m == 0:
+            return f"{n // m}{unit}"
+    return str(n)
+
+
+def payload(op: str, size: int, rank: int, i: int) -> Any:
+    if op == "all_reduce":
+        if size <= SMALL:
+            return (rank + i, 1)
+        import numpy as np
+
+        return np.full(size // 8, rank, dtype=np.int64)
+    if size <= SMALL:
+        return {"rank": rank, "step": i, "ok": True}
+    return os.urandom(size) if i < 0 else b"x" * size
+
+
+def op_sizes(ops: list[str], sizes: list[int]) -> list[tuple[str, int]]:
+    out = []
+    for op in ops:
+        if op in SIZED_OPS:
+            out += [(op, s) for s in sizes]
+        else:
+            out.append((op, 0))
+    return out
+
+
+# ------------------------------------------------------------------ ctrlcomm (one rank)
+
+
+def _ctrlcomm_calls(g: Any, api: Any, rank: int, n: int) -> dict[str, Callable[[Any], Any]]:
+    peer = 1 if n > 1 else 0
+
+    def send_recv(obj: Any) -> Any:  # ping-pong between ranks 0 and 1
+        if n == 1:
+            return None
+        if rank == 0:
+            g.send(obj, peer)
+            return g.recv(peer)
+        if rank == peer:
+            g.send(g.recv(0), 0)
+        return None
+
+    async def asend_recv(obj: Any) -> Any:
+        if n == 1:
+            return None
+        if rank == 0:
+            g.send(obj, peer)
+            return await api.recv(peer)
+        if rank == peer:
+            g.send(await api.recv(0), 0)
+        return None
+
+    return {
+        "barrier": lambda obj: api.barrier(),
+        "all_reduce": lambda obj: api.all_reduce(obj, op="sum"),
+        "broadcast": lambda obj: api.broadcast(obj, src=0),
+        "all_gather": lambda obj: api.all_gather(obj),
+        "gather": lambda obj: api.gather(obj, dst=0),
+        "scatter": lambda obj: api.scatter([obj] * n if rank == 0 else None, src=0),
+        "all_to_all": lambda obj: api.all_to_all([obj] * n),
+        "send_recv": send_recv if api is g else asend_recv,
+    }
+
+
+def _measure_sync(calls: dict[str, Callable[[Any], Any]], sync: Callable[[], Any],
+                  plan: list[tuple[str, int]], rank: int, iters: int, warmup: int,
+                  progress: Callable[[str, int], None]) -> dict[tuple[str, int], dict[str, Any]]:
+    out = {}
+    for op, size in plan:
+        f = calls[op]
+        objs = [payload(op, size, rank, i) for i in range(2)]
+        for i in range(warmup):
+            f(objs[i % 2])
+            if op in ROOTED:
+                sync()
+        sync()
+        times = []
+        cpu = 0.0
+        for i in range(iters):
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            f(objs[i % 2])
+            times.append(time.perf_counter() - t0)
+            cpu += time.process_time() - c0
+            if op in ROOTED:
+                sync()
+        out[(op, size)] = {"times": times, "cpu": cpu / iters}
+        progress(op, size)
+    return out
+
+
+async def _measure_async(calls: dict[str, Callable[[Any], Any]], sync: Callable[[], Any],
+                         plan: list[tuple[str, int]], rank: int, iters: int, warmup: int,
+                         progress: Callable[[str, int], None]
+                         ) -> dict[tuple[str, int], dict[str, Any]]:
+    out = {}
+    for op, size in plan:
+        f = calls[op]
+        objs = [payload(op, size, rank, i) for i in range(2)]
+        for i in range(warmup):
+            r = f(objs[i % 2])
+            if asyncio.iscoroutine(r):
+                await r
+            if op in ROOTED:
+                await sync()
+        await sync()
+        times = []
+        cpu = 0.0
+        for i in range(iters):
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            r = f(objs[i % 2])
+            if asyncio.iscoroutine(r):
+                await r
+            times.append(time.perf_counter() - t0)
+            cpu += time.process_time() - c0
+            if op in ROOTED:
+                await sync()
+        out[(op, size)] = {"times": times, "cpu": cpu / iters}
+        progress(op, size)
+    return out
+
+
+def system_ctrlcomm(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None]
+                    ) -> dict[tuple[str, int], dict[str, Any]]:
+    from . import Group
+
+    plan = op_sizes(cfg["ops"], cfg["sizes"])
+    with Group.create(cfg["host"], cfg["port"], rank, n, name=f"bench{cfg['tag']}",
+                      host_store=cfg["host_store"] and rank == 0, timeout=120,
+                      transport=cfg.get("transport", "tcp")) as g:
+        if cfg.get("aio"):
+            return asyncio.run(_measure_async(_ctrlcomm_calls(g, g.aio, rank, n), g.aio.barrier,
+                                              plan, rank, cfg["iters"], cfg["warmup"], progress))
+        return _measure_sync(_ctrlcomm_calls(g, g, rank, n), g.barrier, plan, rank,
+                             cfg["iters"], cfg["warmup"], progress)
+
+
+SYSTEMS: dict[str, Callable[..., dict[tuple[str, int], dict[str, Any]]]] = {
+    "ctrlcomm": system_ctrlcomm,
+}
+
+
+# ------------------------------------------------------------------------- aggregation
+
+
+def summarize(per_rank: list[dict[tuple[str, int], dict[str, Any]]]) -> dict[tuple[str, int], dict[str, float]]:
+    out = {}
+    for key in per_rank[0]:
+        runs = [r[key]["times"] for r in per_rank]
+        slowest = [max(ts) for ts in zip(*runs, strict=True)]
+        slowest.sort()
+        p99 = slowest[min(len(slowest) - 1, int(0.99 * len(slowest)))]
+        out[key] = {
+            "median_us": statistics.median(slowest) * 1e6,
+            "p99_us": p99 * 1e6,
+            "cpu_us": statistics.fmean(r[key]["cpu"] for r in per_rank) * 1e6,
+        }
+    return out
+
+
+def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
+    """One line per (op, size, world size); one column group per system."""
+    base = systems[0]
+    head = f"{'op':<11}{'size':>6}{'N':>4}"
+    for s in systems:
+        head += f" | {s + ' med':>16}{'p99':>9}{'cpu':>8}"
+        if s != base:
+            head += f"{'x':>7}"
+    lines = [head, "-" * len(head)]
+    index = {(r["system"], r["op"], r["size"], r["world_size"]): r for r in rows}
+    keys = sorted({(r["op"], r["size"], r["world_size"]) for r in rows},
+                  key=lambda k: (DEFAULT_OPS.index(k[0]) if k[0] in DEFAULT_OPS else 99,
+                                 k[1], k[2]))
+    for op, size, n in keys:
+        line = f"{op:<11}{fmt_size(size) if size else '-':>6}{n:>4}"
+        ref = index.get((base, op, size, n))
+        for s in systems:
+            r = index.get((s, op, size, n))
+            if r is None:
+                line += f" | {'n/a':>16}{'':>9}{'':>8}" + ("" if s == base else f"{'':>7}")
+                continue
+            line += f" | {r['median_us']:>14.1f}us{r['p99_us']:>7.0f}us{r['cpu_us']:>6.0f}us"
+            if s != base:
+                ratio = r["median_us"] / ref["median_us"] if ref else float("nan")
+                line += f"{ratio:>6.1f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _bench_child(rank: int, n: int, system: str, cfg: dict[str, Any], q: Any) -> Any:
+    def progress(op: str, size: int) -> None:
+        if rank == 0 and q is not None:
+            q.put(("progress", op, size))
+
+    return SYSTEMS[system](rank, n, cfg, progress)
+
+
+class _Progress:
+    def __init__(self, total: int, stream: Any = sys.stderr) -> None:
+        self.total, self.done, self.stream = total, 0, stream
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / max(self.total, 1))
+        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                          f"{self.done}/{self.total} {label:<40}")
+        self.stream.flush()
+
+    def end(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
+              stream: Any = sys.stderr) -> list[dict[str, Any]]:
+    """Spawn each world size locally on loopback and run each system; returns flat rows."""
+    import multiprocessing as mp
+    import threading
+
+    from ._transport import StoreServer
+    from .testing import run_ranks
+
+    plan = op_sizes(cfg["ops"], cfg["sizes"])
+    bar = _Progress(len(plan) * len(world_sizes) * len(systems), stream)
+    rows = []
+    ctx = mp.get_context("spawn")
+    for n in world_sizes:
+        for system in systems:
+            q = ctx.Queue()
+            stop = threading.Event()
+
+            def pump(q: Any = q, n: int = n, system: str = system) -> None:
+                while not stop.is_set():
+                    try:
+                        _, op, size = q.get(timeout=0.1)
+                    except Exception:
+                        continue
+                    bar.step(f"{system} N={n} {op} {fmt_size(size) if size else ''}")
+
+            th = threading.Thread(target=pump, daemon=True)
+            th.start()
+            with StoreServer("127.0.0.1", 0) as srv:
+                c = dict(cfg, host="127.0.0.1", port=srv.port, host_store=False,
+                         tag=f"{system}{n}")
+                try:
+                    per_rank = run_ranks(_bench_child, n, system, c, q,
+                                         timeout=cfg.get("timeout", 900))
+                finally:
+                    stop.set()
+                    th.join()
+            for (op, size), fig in summarize(per_rank).items():
+                rows.append({"system": system, "op": op, "size": size, "world_size": n, **fig})
+    bar.end()
+    return rows
+
+
+def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
+    meta = {k: v for k, v in cfg.items() if k in ("ops", "sizes", "iters", "warmup", "aio")}
+    meta["python"] = sys.version.split()[0]
+    meta["cpus"] = os.cpu_count()
+    meta["when"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    with open(path, "w") as f:
+        json.dump({"config": meta, "results": rows}, f, indent=1)

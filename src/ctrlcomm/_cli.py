@@ -1,0 +1,81 @@
+"""Command line: ``ctrlcomm store`` and ``ctrlcomm bench``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+
+def _store(args: argparse.Namespace) -> int:
+    from ._transport import StoreServer
+
+    srv = StoreServer(args.host, args.port)
+    print(f"ctrlcomm store serving on {args.host}:{srv.port}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(0.5):
+        pass
+    srv.close()
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import _bench as b
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in b.DEFAULT_OPS]
+    if bad:
+        print(f"unknown ops {bad}; choose from {','.join(b.DEFAULT_OPS)}", file=sys.stderr)
+        return 2
+    cfg = {"ops": ops, "sizes": [b.parse_size(s) for s in args.sizes.split(",")],
+           "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
+           "transport": args.transport}
+    systems = ["ctrlcomm"]
+    if args.rank is not None:
+        print("multi-host mode: see issue tracker; run locally with -n for now", file=sys.stderr)
+        return 2
+    sizes = [int(x) for x in args.n.split(",")]
+    rows = b.run_local(sizes, systems, cfg)
+    print(b.table(rows, systems))
+    if args.json:
+        b.write_json(args.json, rows, cfg)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ctrlcomm", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("store", help="run a rendezvous store alone")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=29600)
+    s.set_defaults(func=_store)
+
+    bp = sub.add_parser("bench", help="latency suite (spawns local ranks on loopback)")
+    bp.add_argument("-n", default="2,4", help="world sizes, e.g. 2,4,8")
+    bp.add_argument("--ops", default=",".join(("barrier", "all_reduce", "broadcast",
+                                               "all_gather", "gather", "scatter",
+                                               "all_to_all", "send_recv")))
+    bp.add_argument("--sizes", default="8", help="payload sizes, e.g. 8,1K,64K,1M")
+    bp.add_argument("--iters", type=int, default=1000)
+    bp.add_argument("--warmup", type=int, default=100)
+    bp.add_argument("--aio", action="store_true", help="awaited calls instead of blocking")
+    bp.add_argument("--transport", default="tcp", choices=["tcp", "zmq"])
+    bp.add_argument("--json", help="write results to this file")
+    bp.add_argument("--host")
+    bp.add_argument("--port", type=int)
+    bp.add_argument("--rank", type=int)
+    bp.add_argument("--world-size", type=int)
+    bp.set_defaults(func=_bench)
+
+    args = p.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
