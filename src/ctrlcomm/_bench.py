@@ -190,7 +190,10 @@ SYSTEMS: dict[str, Callable[..., dict[tuple[str, int], dict[str, Any]]]] = {
 # ------------------------------------------------------------------------- aggregation
 
 
-def summarize(per_rank: list[dict[tuple[str, int], dict[str, Any]]]) -> dict[tuple[str, int], dict[str, float]]:
+Results = dict[tuple[str, int], dict[str, Any]]
+
+
+def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, float]]:
     out = {}
     for key in per_rank[0]:
         runs = [r[key]["times"] for r in per_rank]
@@ -280,7 +283,7 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
             q = ctx.Queue()
             stop = threading.Event()
 
-            def pump(q: Any = q, n: int = n, system: str = system) -> None:
+            def pump(q: Any = q, n: int = n, system: str = system, stop: Any = stop) -> None:
                 while not stop.is_set():
                     try:
                         _, op, size = q.get(timeout=0.1)

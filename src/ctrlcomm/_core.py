@@ -381,12 +381,10 @@ class Core:
     def close(self) -> None:
         if self.state == "closed":
             return
-        was_open = self.state == "open"
         self.state = "closed"
-        if was_open:
-            for p in range(self.size):
-                if p != self.rank and p not in self.gone:
-                    self._send_raw(p, w.BYE, b"")
+        for p in range(self.size):
+            if p != self.rank and p not in self.gone:
+                self._send_raw(p, w.BYE, b"")
         self.ep.close()
 
     def abort(self, reason: str) -> None:

@@ -57,13 +57,11 @@ def _minimum(a: Any, b: Any) -> Any:
 
 
 def _logical(name: str) -> Callable[[Any, Any], Any]:
-    py = (lambda a, b: bool(a) and bool(b)) if name == "and" else (lambda a, b: bool(a) or bool(b))
-
     def f(a: Any, b: Any) -> Any:
         m = _array_module(a) or _array_module(b)
         if m is not None:
             return getattr(m, f"logical_{name}")(a, b)
-        r = py(a, b)
+        r = (bool(a) and bool(b)) if name == "and" else (bool(a) or bool(b))
         # MPI semantics: a logical op on ints gives 0/1 of the same type; on bools a bool.
         return r if isinstance(a, bool) and isinstance(b, bool) else int(r)
 

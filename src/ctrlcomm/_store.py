@@ -128,13 +128,13 @@ class StoreState:
             if len(vals) != 3:
                 raise _Refused("compare_set takes (expect_absent, expected, desired)")
             absent, expected, desired = vals[0] == b"1", vals[1], vals[2]
-            cur = self.data.get(key)
-            if (cur is None and (absent or expected == b"")) or (cur is not None and not absent
-                                                                  and cur == expected):
+            held = self.data.get(key)
+            if (held is None and (absent or expected == b"")) or (held is not None and not absent
+                                                                   and held == expected):
                 self._put(key, desired)
                 replies = [(peer, w.StoreReply(w.R_OK, req.req_id, (desired,)))]
             else:
-                now_val = () if cur is None else (cur,)
+                now_val = () if held is None else (held,)
                 replies = [(peer, w.StoreReply(w.R_CAS_FAIL, req.req_id, now_val))]
         else:  # pragma: no cover - decode_store_request only lets known ops through
             raise _Refused(f"unknown op {op}")

@@ -127,6 +127,8 @@ class ZmqEndpoint:
         self._poller = zmq.Poller()
         self._poller.register(self.rx, zmq.POLLIN)
         self.closed = False
+        # ZeroMQ reconnects silently: a lost peer is not reported by this transport
+        self.on_lost = on_lost
 
     def set_peers(self, peers: dict[int, str]) -> None:
         self.peers = dict(peers)
@@ -583,6 +585,10 @@ class TcpEndpoint:
                 src = sink(frames)
                 if src is not None and c.rank is None:
                     c.rank = src
+            if c.decoder.error is not None:
+                self._count("malformed_stream")
+                self._drop_conn(c)
+                return n
             if got < READ_CHUNK:
                 return n
         return n

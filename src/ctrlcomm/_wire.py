@@ -342,11 +342,28 @@ class StreamDecoder:
         self.max_message = max_message
         self._lens: tuple[int, ...] | None = None
         self._head = 0  # bytes of prefix for the current message
+        self.error: WireError | None = None
 
     def feed(self, data: bytes | memoryview) -> list[list[bytes]]:
-        """Add bytes; return the messages now complete (each a list of frames)."""
+        """Add bytes; return the messages now complete (each a list of frames).
+
+        Malformed input raises :class:`WireError`, unless whole messages came before it in
+        this call: those are returned and the error is kept in :attr:`error` (and raised by
+        the next call), so good messages ahead of garbage are never lost.
+        """
+        if self.error is not None:
+            raise self.error
         self.buf += data
         out: list[list[bytes]] = []
+        try:
+            return self._parse(out)
+        except WireError as e:
+            if not out:
+                raise
+            self.error = e
+            return out
+
+    def _parse(self, out: list[list[bytes]]) -> list[list[bytes]]:
         buf = self.buf
         pos = 0
         while True:

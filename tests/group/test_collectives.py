@@ -109,7 +109,6 @@ def test_blocking_and_awaited_calls_share_one_sequence():
 
 def ticker_while_waiting(g):
     """Rank 0 waits in an awaited all_reduce while rank 1 sleeps; a ticker must keep ticking."""
-    import time
 
     async def main():
         ticks = 0
@@ -123,7 +122,7 @@ def ticker_while_waiting(g):
 
         t = asyncio.create_task(ticker())
         if g.rank == 1:
-            time.sleep(0.6)  # this rank is late: rank 0 must wait
+            await asyncio.sleep(0.6)  # this rank is late: rank 0 must wait
         result = await g.aio.all_reduce((g.rank, 5), op="max")
         stop.set()
         await t
@@ -175,7 +174,7 @@ def p2p_two_senders(g):
         return None
     # receive interleaving sources and tags: every stream must come in its own order
     got = {1: [], 2: [], (1, 7): [], (2, 7): []}
-    for i in range(n):
+    for _ in range(n):
         for src in (2, 1):
             got[(src, 7)].append(g.recv(src, tag=7))
             got[src].append(g.recv(src))

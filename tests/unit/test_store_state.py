@@ -5,7 +5,6 @@ import itertools
 from ctrlcomm import _wire as w
 from ctrlcomm._store import StoreState
 
-
 _ids = itertools.count(100)
 
 

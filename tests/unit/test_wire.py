@@ -161,3 +161,12 @@ def test_msgpack_codec_keeps_tuples_and_refuses_objects():
     assert w.loads(payload, bufs, w.MSGPACK) == obj
     with pytest.raises(CodecError, match="msgpack"):
         w.dumps(object(), w.MSGPACK)
+
+
+def test_good_messages_before_garbage_are_kept():
+    frames = [b"abc", b"de"]
+    d = w.StreamDecoder()
+    assert d.feed(_stream([frames]) + b"XXXXXXXX") == [frames]
+    assert isinstance(d.error, WireError)
+    with pytest.raises(WireError):
+        d.feed(b"more")

@@ -50,7 +50,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     exited without a result, or was still running after ``timeout`` seconds (such ranks are
     killed, by pid: only processes this call started).
     """
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)
     q = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, kwargs, q), daemon=True)
              for r in range(world_size)]

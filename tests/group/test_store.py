@@ -1,0 +1,101 @@
+"""The rendezvous store over real sockets: client calls, deadlines, the CLI."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import ctrlcomm
+from ctrlcomm.testing import free_port
+
+
+def test_client_calls(store):
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="ns/")
+    c.set("a", "1")
+    assert c.get("a") == b"1"
+    assert c.add("n", 3) == 3 and c.add("n", -1) == 2
+    assert c.compare_set("k", None, "v1") == b"v1"
+    assert c.compare_set("k", "wrong", "v2") == b"v1"
+    assert c.compare_set("k", "v1", "v2") == b"v2"
+    assert c.set_if_absent("k", "zz") == (False, b"v2")
+    assert c.check(["a", "k"]) and not c.check(["a", "nope"])
+    assert c.delete_key("a") and not c.delete("a")
+    with pytest.raises(KeyError):
+        c.get("a", wait=False)
+    other = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="other/")
+    with pytest.raises(KeyError):
+        other.get("k", wait=False)  # namespaced: another prefix sees nothing
+    other.close()
+    c.close()
+
+
+def test_get_waits_for_a_later_set(store):
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+
+    def later():
+        time.sleep(0.3)
+        with ctrlcomm.StoreClient("127.0.0.1", store.port) as d:
+            d.set("late", b"here")
+
+    threading.Thread(target=later).start()
+    t = time.monotonic()
+    assert c.get("late", timeout=5) == b"here"
+    assert 0.2 < time.monotonic() - t < 3
+    c.wait(["late"], timeout=1)
+    c.close()
+
+
+def test_deadlines_name_the_missing_keys(store):
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port)
+    t = time.monotonic()
+    with pytest.raises(ctrlcomm.StoreTimeoutError, match="never"):
+        c.get("never", timeout=0.5)
+    with pytest.raises(ctrlcomm.StoreTimeoutError, match=r"\['b'\]"):
+        c.set("a", "x")
+        c.wait(["a", "b"], timeout=0.5)
+    assert time.monotonic() - t < 3
+    c.close()
+
+
+def test_unreachable_store_times_out():
+    c = ctrlcomm.StoreClient("127.0.0.1", free_port(), timeout=0.5)
+    t = time.monotonic()
+    with pytest.raises(ctrlcomm.StoreTimeoutError, match="did not answer"):
+        c.set("a", "b")
+    assert time.monotonic() - t < 2
+    c.close()
+
+
+def test_store_refusal_is_a_store_error(store):
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port)
+    c.set("n", "not a number")
+    with pytest.raises(ctrlcomm.StoreError, match="integer"):
+        c.add("n", 1)
+    c.close()
+
+
+def test_store_command_serves_groups():
+    port = free_port()
+    with subprocess.Popen([sys.executable, "-m", "ctrlcomm", "store", "--host", "127.0.0.1",
+                           "--port", str(port)], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert f"127.0.0.1:{port}" in proc.stdout.readline()
+            with ctrlcomm.Group.create("127.0.0.1", port, 0, 1, host_store=False,
+                                       timeout=10) as g:
+                assert g.all_reduce(5) == 5
+        finally:
+            os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+
+
+def test_port_in_use_for_store_server():
+    srv = ctrlcomm.StoreServer("127.0.0.1", 0)
+    try:
+        with pytest.raises(ctrlcomm.StoreError, match=f"127.0.0.1:{srv.port}.*already in use"):
+            ctrlcomm.StoreServer("127.0.0.1", srv.port)
+    finally:
+        srv.close()
