@@ -20,13 +20,16 @@ from ._errors import StoreError as StoreError
 from ._errors import StoreTimeoutError as StoreTimeoutError
 from ._group import AioGroup as AioGroup
 from ._group import Group as Group
+from ._megatron import AsyncZMQCommunicator as AsyncZMQCommunicator
 from ._store import StoreClient as StoreClient
 from ._transport import StoreServer as StoreServer
+from ._vllm import StatelessProcessGroup as StatelessProcessGroup
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AioGroup",
+    "AsyncZMQCommunicator",
     "CodecError",
     "CollectiveTimeoutError",
     "ConcurrentUseError",
@@ -40,6 +43,7 @@ __all__ = [
     "MismatchError",
     "PeerLostError",
     "ReductionError",
+    "StatelessProcessGroup",
     "StoreClient",
     "StoreError",
     "StoreServer",

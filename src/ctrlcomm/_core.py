@@ -52,6 +52,13 @@ PROBE_GRACE = 0.25
 # A peer that closed the connection we send on is declared lost after this many seconds
 # unless its goodbye (or the end of the stream it sends on) explains it first.
 SUSPECT_GRACE = 1.0
+# Flow control. A rank stops reading a peer that is HOLD_HIGH collective messages ahead, and
+# reads it again at HOLD_LOW; a sender with more than MAX_BACKLOG bytes queued for one peer
+# waits (within its deadline) before it queues more. Memory stays bounded however far a
+# broadcast root runs ahead of its receivers.
+HOLD_HIGH = 256
+HOLD_LOW = 64
+MAX_BACKLOG = 4 * 1024 * 1024
 
 Wait = Generator[float, None, Any]
 
@@ -80,7 +87,10 @@ class Core:
         self.key = key
         self.timeout = timeout
         self.seq = 0  # next collective's sequence number
-        self.box: dict[tuple[int, int, int], w.Message] = {}
+        # collective messages: seq -> {(round, src): message}; held[src] counts them per sender
+        self.box: dict[int, dict[tuple[int, int], w.Message]] = {}
+        self.held: Counter[int] = Counter()
+        self.paused: set[int] = set()
         self.p2p: dict[tuple[int, int], deque[w.Message]] = {}
         self.status: dict[int, str] = {}
         self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
@@ -139,11 +149,18 @@ class Core:
             if m.seq < self.seq - (self.active is not None and self.active[1] >= 0):
                 self.dropped["stale"] += 1
                 return m.src
-            key = (m.seq, m.round, m.src)
-            if key in self.box:
+            slot = self.box.setdefault(m.seq, {})
+            key = (m.round, m.src)
+            if key in slot:
                 self.dropped["duplicate"] += 1
                 return m.src
-            self.box[key] = m
+            slot[key] = m
+            self.held[m.src] += 1
+            if self.held[m.src] >= HOLD_HIGH and m.src not in self.paused:
+                # this peer is far ahead: stop reading its stream (what this rank needs from
+                # it came first, being of an earlier seq) until it has caught up
+                self.paused.add(m.src)
+                self.ep.pause(m.src)
             a = self.active
             if a is not None and m.seq == a[1] and (m.op, m.root) != (a[2], a[3]):
                 self._set_mismatch(m)
@@ -242,11 +259,10 @@ class Core:
         t = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + t
         try:
-            for k, m in list(self.box.items()):
-                if k[0] < seq:  # left by a replay or a failed call: never wanted again
-                    del self.box[k]
-                elif k[0] == seq and (m.op, m.root) != (opcode, root):
+            for m in self.box.get(seq, {}).values():
+                if (m.op, m.root) != (opcode, root):
                     self._set_mismatch(m)
+                    break
             gen = plan(_plans.Ctx(self.rank, self.size))
             reply: dict[int, Any] | None = None
             while True:
@@ -256,6 +272,7 @@ class Core:
                     result = e.value
                     break
                 self._post(step, seq, opcode, root)
+                yield from self._backpressure([d for d, _ in step.sends], deadline, t, name, seq)
                 reply = yield from self._collect(step, seq, deadline, t, name)
             self.last = f"{name} #{seq}"
             return result
@@ -267,10 +284,30 @@ class Core:
             self.brk(e)
             raise
         finally:
+            self._forget(seq)
             self.active = None
             self.mismatch = None
             self.waiting_for = []
             self.leave()
+
+    def _take(self, seq: int, rnd: int, src: int) -> w.Message:
+        m = self.box[seq].pop((rnd, src))
+        self._release(src)
+        return m
+
+    def _release(self, src: int, n: int = 1) -> None:
+        self.held[src] -= n
+        if src in self.paused and self.held[src] <= HOLD_LOW:
+            self.paused.discard(src)
+            self.ep.resume(src)
+
+    def _forget(self, seq: int) -> None:
+        """Drop what is left for ``seq`` (duplicates, or the rest of a failed call)."""
+        left = self.box.pop(seq, None)
+        if left:
+            self.dropped["stale"] += len(left)
+            for _, src in left:
+                self._release(src)
 
     def _post(self, step: _plans.Step, seq: int, opcode: int, root: int) -> None:
         cache: dict[int, list[Any]] = {}
@@ -284,10 +321,29 @@ class Core:
             self.ep.send(dst, frames)
             self.sent += 1
 
+    def _backpressure(self, dsts: list[int], deadline: float, t: float, name: str,
+                      seq: int | None) -> Wait:
+        """Wait while more than MAX_BACKLOG bytes are queued for any of ``dsts``."""
+        if self.ep.unflushed:  # a connection still being made, or a kernel buffer was full
+            self.pump()
+        while True:
+            full = [d for d in dsts if self.ep.backlog(d) > MAX_BACKLOG]
+            if not full:
+                return
+            self.waiting_for = full
+            self.pump()
+            now = time.monotonic()
+            lost, suspect_at = self._check_lost(full, now)
+            if lost:
+                raise PeerLostError(f"{name} on group {self.name!r}: rank {lost[0]} "
+                                    f"{self.gone[lost[0]]}", ranks=lost)
+            if now >= deadline:
+                raise self._timeout(f"{name} (sending)", seq, t, full)
+            yield min(deadline, suspect_at) - now
+
     def _collect(self, step: _plans.Step, seq: int, deadline: float, t: float, name: str) -> Wait:
         if not step.recvs:
             return {}
-        box = self.box
         probe_at = deadline - min(PROBE_GRACE, t / 10)
         probed = False
         while True:
@@ -296,10 +352,15 @@ class Core:
                 raise self.mismatch
             if self.state == "broken":
                 raise self.cause  # type: ignore[misc]
-            missing = [s for s in step.recvs if (seq, step.round, s) not in box]
+            slot = self.box.get(seq, {})
+            missing = [s for s in step.recvs if (step.round, s) not in slot]
             if not missing:
-                return {s: self._decode(box.pop((seq, step.round, s)), f"{name} #{seq}")
+                return {s: self._decode(self._take(seq, step.round, s), f"{name} #{seq}")
                         for s in step.recvs}
+            for s in missing:
+                if s in self.paused:  # it should have come first; read on, to see why not
+                    self.paused.discard(s)
+                    self.ep.resume(s)
             self.waiting_for = missing
             now = time.monotonic()
             lost, suspect_at = self._check_lost(missing, now)
@@ -329,15 +390,19 @@ class Core:
 
     # ------------------------------------------------------------------ point to point
 
-    def send(self, obj: Any, dst: int, tag: int) -> None:
+    def send(self, obj: Any, dst: int, tag: int, timeout: float | None) -> Wait:
         self.enter("send")
+        t = self.timeout if timeout is None else float(timeout)
         try:
             payload, bufs = self._encode(obj)
             msg = w.Message(w.P2P, self.rank, self.group_id, 0, tag, 0, w.NO_ROOT, self.codec,
                             payload, bufs)
             self.ep.send(dst, w.encode(msg, self.key))
             self.sent += 1
+            yield from self._backpressure([dst], time.monotonic() + t, t,
+                                          f"send(dst={dst}, tag={tag})", None)
         finally:
+            self.waiting_for = []
             self.leave()
 
     def recv(self, src: int, tag: int, timeout: float | None) -> Wait:
@@ -347,6 +412,9 @@ class Core:
         self.active = (f"recv(src={src}, tag={tag})", -1, 0, w.NO_ROOT)
         probe_at = deadline - min(PROBE_GRACE, t / 10)
         probed = False
+        if src in self.paused:  # what is wanted may be behind that peer's collective messages
+            self.paused.discard(src)
+            self.ep.resume(src)
         try:
             while True:
                 self.pump()

@@ -298,6 +298,7 @@ class Group:
         codec: str = "pickle",
         auth_key: bytes | str | None = None,
         transport: str = "tcp",
+        zmq_context: Any = None,
     ) -> Group:
         """Form a group through the store at ``(host, port)``.
 
@@ -315,6 +316,7 @@ class Group:
             auth_key: reserved for authenticated groups.
             transport: ``"tcp"`` (default: plain sockets, lowest latency) or ``"zmq"``
                 (ZeroMQ PUSH/PULL sockets).
+            zmq_context: with ``transport="zmq"``, the ZeroMQ context to make sockets from.
 
         Raises:
             InvalidArgumentError: bad rank, world size, name, timeout or codec.
@@ -350,7 +352,7 @@ class Group:
                 bind_host = local_address_for(host, port)
             else:
                 check_bind_host(bind_host)
-            ep = make_endpoint(transport, bind_host)
+            ep = make_endpoint(transport, bind_host, zmq_context=zmq_context)
             nonce, peers = _rendezvous(store, ep.address, rank, world_size, name, deadline)
             ep.set_peers(peers)
             core = Core(name=name, rank=rank, size=world_size, group_id=_group_id(name, nonce),
@@ -365,6 +367,15 @@ class Group:
             raise
         return cls(core, store=store, server=server,
                    server_key=(host, port) if server is not None else None)
+
+    @classmethod
+    def from_torch(cls, process_group: Any = None, **kwargs: Any) -> Group:
+        """A group with the same ranks as a torch process group (``None``: the default group),
+        formed through that group once. Needs ``pip install 'ctrlcomm[torch]'``; see
+        :func:`ctrlcomm.torch.group_from_torch` for the options."""
+        from .torch import group_from_torch
+
+        return group_from_torch(process_group, **kwargs)
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> Group:
@@ -485,13 +496,17 @@ class Group:
 
     # ---------------------------------------------------------------- point to point
 
-    def send(self, obj: Any, dst: int, tag: int = 0) -> None:
-        """Queue ``obj`` for ``dst`` and return at once (messages per (src, tag) stay in order)."""
+    def send(self, obj: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Queue ``obj`` for ``dst`` and return (messages per (src, tag) stay in order).
+
+        Returns at once unless more than 4 MiB are already queued for ``dst`` (a receiver
+        that does not keep up): then it waits, up to ``timeout``, for the queue to drain.
+        """
         c = self._core
         d = _rank_arg(c, dst, "dst", "send")
         if d == c.rank:
             raise InvalidArgumentError(f"send on rank {c.rank}: dst is this rank")
-        c.send(obj, d, _tag_arg(c, tag, "send"))
+        run_sync(c, c.send(obj, d, _tag_arg(c, tag, "send"), _timeout_arg(timeout, "send")))
 
     def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         """The next object ``src`` sent to this rank with ``tag``."""
@@ -572,8 +587,14 @@ class AioGroup:
                          timeout: float | None = None) -> list[Any]:
         return await _run_async(self._core, _spec_all_to_all(self._core, objs), timeout)  # type: ignore[no-any-return]
 
-    async def send(self, obj: Any, dst: int, tag: int = 0) -> None:
-        self._group.send(obj, dst, tag)
+    async def send(self, obj: Any, dst: int, tag: int = 0, *,
+                   timeout: float | None = None) -> None:
+        c = self._core
+        d = _rank_arg(c, dst, "dst", "send")
+        if d == c.rank:
+            raise InvalidArgumentError(f"send on rank {c.rank}: dst is this rank")
+        await run_async(c, c.send(obj, d, _tag_arg(c, tag, "send"),
+                                  _timeout_arg(timeout, "send")))
 
     async def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         c = self._core

@@ -26,6 +26,7 @@ until ``EAGAIN``) before waiting again, which :meth:`Endpoint.drain` does.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import errno
 import ipaddress
 import os
@@ -33,6 +34,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -106,8 +108,10 @@ class ZmqEndpoint:
     kind = "zmq"
 
     def __init__(self, bind_host: str, *, ipv6: bool = False,
-                 on_lost: Callable[[int, str, bool], None] | None = None) -> None:
-        ctx = context()
+                 on_lost: Callable[[int, str, bool], None] | None = None,
+                 zmq_context: zmq.Context[Any] | None = None) -> None:
+        ctx = zmq_context or context()
+        self._ctx = ctx
         self.rx = ctx.socket(zmq.PULL)
         self.rx.setsockopt(zmq.LINGER, 0)
         self.rx.setsockopt(zmq.RCVHWM, HWM)
@@ -136,7 +140,7 @@ class ZmqEndpoint:
     def _sock(self, dst: int) -> zmq.Socket[Any]:
         s = self.tx.get(dst)
         if s is None:
-            s = context().socket(zmq.PUSH)
+            s = self._ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, LINGER_MS)
             s.setsockopt(zmq.SNDHWM, HWM)
             if _is_v6(self.peers[dst]):
@@ -152,6 +156,17 @@ class ZmqEndpoint:
         for i, f in enumerate(frames):
             big = not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_THRESHOLD
             s.send(f, (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT, copy=not big)
+
+    unflushed: frozenset[int] = frozenset()  # ZeroMQ flushes in its own I/O thread
+
+    def backlog(self, dst: int) -> int:
+        return 0  # ZeroMQ's own high-water mark applies
+
+    def pause(self, src: int) -> None:
+        pass
+
+    def resume(self, src: int) -> None:
+        pass
 
     def drain(self, sink: Callable[[list[Any]], int | None], limit: int = 1 << 30) -> int:
         """Receive every message waiting now and hand each to ``sink``. Returns the count."""
@@ -260,7 +275,8 @@ class StoreServer:
         port: port to bind; 0 picks a free one (see :attr:`port`).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
+                 listen_socket: socket.socket | None = None) -> None:
         from ._store import StoreState
 
         ctx = context()
@@ -268,6 +284,11 @@ class StoreServer:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if listen_socket is not None:
+            # serve from a socket the caller already bound (and so reserved) at host:port;
+            # ZeroMQ closes what it is given, so it gets its own copy of the descriptor
+            host, port = listen_socket.getsockname()[:2]
+            self.sock.setsockopt(zmq.USE_FD, os.dup(listen_socket.fileno()))
         addr = _tcp(host, port or "*")
         if _is_v6(addr):
             self.sock.setsockopt(zmq.IPV6, 1)
@@ -376,7 +397,8 @@ def _parse_tcp(endpoint: str) -> tuple[int, tuple[str, int]]:
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "inbound", "rank", "decoder", "pending", "connecting", "events")
+    __slots__ = ("sock", "fd", "inbound", "rank", "decoder", "pending", "connecting", "events",
+                 "backlog", "paused")
 
     def __init__(self, sock: socket.socket, inbound: bool, rank: int | None) -> None:
         self.sock = sock
@@ -386,10 +408,13 @@ class _Conn:
         self.decoder = w.StreamDecoder() if inbound else None
         self.pending: deque[memoryview] = deque()
         self.connecting = False
-        self.events = 0
+        self.events = -1
+        self.backlog = 0  # bytes in pending
+        self.paused = False
 
 
 READ_CHUNK = 256 * 1024
+PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
 READ_BUDGET = 8 * 1024 * 1024  # per connection per drain, so one flooding peer cannot starve
 
 
@@ -426,6 +451,8 @@ class TcpEndpoint:
         # one receive buffer, reused: recv(n) would allocate (and for large n, mmap) n bytes
         self._rbuf = bytearray(READ_CHUNK)
         self._rview = memoryview(self._rbuf)
+        self.unflushed: set[_Conn] = set()  # connections with queued data (or connecting)
+        _live.add(self)
 
     def set_peers(self, peers: dict[int, str]) -> None:
         self.peers = dict(peers)
@@ -436,11 +463,12 @@ class TcpEndpoint:
     # ------------------------------------------------------------------ outgoing
 
     def _register(self, c: _Conn, events: int) -> None:
+        """Set the epoll events of ``c`` (-1 in ``c.events``: not registered yet)."""
         if c.events != events:
-            if c.events:
-                self.ep.modify(c.fd, events)
-            else:
+            if c.events == -1:
                 self.ep.register(c.fd, events)
+            else:
+                self.ep.modify(c.fd, events)
             c.events = events
 
     def _connect(self, dst: int) -> _Conn:
@@ -454,6 +482,7 @@ class TcpEndpoint:
         err = s.connect_ex(addr)
         if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
             c.connecting = True
+            self.unflushed.add(c)
             self._register(c, select.EPOLLOUT | select.EPOLLIN)
         elif err:
             self._lose(c, f"cannot connect to {self.peers[dst]}: {os.strerror(err)}")
@@ -470,10 +499,7 @@ class TcpEndpoint:
             return
         parts = [w.stream_prefix(frames), *frames]
         if c.pending or c.connecting:
-            for p in parts:
-                v = memoryview(p).cast("B")
-                if v.nbytes:  # an empty view would make sendmsg return 0 forever
-                    c.pending.append(v)
+            self._queue(c, parts, 0)
             self._register(c, select.EPOLLOUT | select.EPOLLIN)
             return
         try:
@@ -485,18 +511,29 @@ class TcpEndpoint:
             return
         total = sum(memoryview(p).nbytes for p in parts)
         if n < total:
-            for p in parts:
-                v = memoryview(p).cast("B")
-                if n >= v.nbytes:
-                    n -= v.nbytes
-                    continue
-                c.pending.append(v[n:])  # never empty: n < v.nbytes here
-                n = 0
-            self._register(c, select.EPOLLOUT | select.EPOLLIN)
+            self._queue(c, parts, n)
+
+    def _queue(self, c: _Conn, parts: list[Any], skip: int) -> None:
+        """Queue ``parts`` but their first ``skip`` bytes (already sent) for ``c``."""
+        views = []
+        for p in parts:
+            v = memoryview(p).cast("B")
+            if skip >= v.nbytes:
+                skip -= v.nbytes
+                continue
+            views.append(v[skip:])  # never empty: skip < v.nbytes here
+            skip = 0
+        size = sum(v.nbytes for v in views)
+        if size < COPY_THRESHOLD and len(views) > 1:
+            views = [memoryview(b"".join(views))]  # one object per small message, not three
+        c.pending.extend(views)
+        c.backlog += size + PENDING_OVERHEAD * len(views)
+        self.unflushed.add(c)
+        self._register(c, select.EPOLLOUT | select.EPOLLIN)
 
     def _flush(self, c: _Conn) -> None:
         while c.pending:
-            batch = list(c.pending)[:512]
+            batch = [c.pending[i] for i in range(min(len(c.pending), 512))]
             try:
                 n = c.sock.sendmsg(batch)
             except BlockingIOError:
@@ -504,15 +541,36 @@ class TcpEndpoint:
             except OSError as e:
                 self._lose(c, f"send failed: {e.strerror or e}")
                 return
+            c.backlog -= n
             while n and c.pending:
                 v = c.pending[0]
                 if n >= v.nbytes:
                     n -= v.nbytes
                     c.pending.popleft()
+                    c.backlog -= PENDING_OVERHEAD
                 else:
                     c.pending[0] = v[n:]
                     n = 0
+        self.unflushed.discard(c)
         self._register(c, select.EPOLLIN)
+
+    def backlog(self, dst: int) -> int:
+        """Bytes queued for ``dst`` that the kernel has not taken yet."""
+        c = self.out.get(dst)
+        return c.backlog if c is not None and c.sock.fileno() >= 0 else 0
+
+    def pause(self, src: int) -> None:
+        """Stop reading what ``src`` sends (the kernel's buffers, then ``src``, fill up)."""
+        for c in self.conns.values():
+            if c.inbound and c.rank == src and not c.paused:
+                c.paused = True
+                self._register(c, 0)
+
+    def resume(self, src: int) -> None:
+        for c in self.conns.values():
+            if c.inbound and c.rank == src and c.paused:
+                c.paused = False
+                self._register(c, select.EPOLLIN)
 
     def _lose(self, c: _Conn, why: str) -> None:
         if self.closed:
@@ -526,7 +584,8 @@ class TcpEndpoint:
 
     def _drop_conn(self, c: _Conn) -> None:
         self.conns.pop(c.fd, None)
-        if c.events:
+        self.unflushed.discard(c)
+        if c.events != -1:
             try:
                 self.ep.unregister(c.fd)
             except (OSError, ValueError):
@@ -589,7 +648,7 @@ class TcpEndpoint:
                 self._count("malformed_stream")
                 self._drop_conn(c)
                 return n
-            if got < READ_CHUNK:
+            if got < READ_CHUNK or c.paused:
                 return n
         return n
 
@@ -616,6 +675,8 @@ class TcpEndpoint:
                 c.connecting = False
             if ev & select.EPOLLOUT:
                 self._flush(c)
+            elif not c.pending:
+                self.unflushed.discard(c)
             if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and fd in self.conns:
                 try:
                     data = c.sock.recv(1)
@@ -670,27 +731,42 @@ class TcpEndpoint:
                              name="ctrlcomm-linger").start()
 
 
-def _linger(conns: list[_Conn]) -> None:
+_live: weakref.WeakSet[TcpEndpoint] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Deliver what open endpoints still have queued when the process exits (at most
+    LINGER_MS in all), as ZeroMQ does when its context is terminated at exit."""
+    conns = [c for ep in list(_live) if not ep.closed for c in ep.out.values()
+             if c.pending and c.sock.fileno() >= 0]
+    if conns:
+        _linger(conns, close=False)
+
+
+def _linger(conns: list[_Conn], close: bool = True) -> None:
     deadline = time.monotonic() + LINGER_MS / 1000
     for c in conns:
         c.sock.setblocking(True)
         try:
             while c.pending and time.monotonic() < deadline:
                 c.sock.settimeout(max(deadline - time.monotonic(), 0.01))
-                n = c.sock.send(c.pending[0])
                 v = c.pending.popleft()
+                n = c.sock.send(v)
                 if n < v.nbytes:
                     c.pending.appendleft(v[n:])
         except OSError:
             pass
         finally:
-            c.sock.close()
+            if close:
+                c.sock.close()
 
 
 def make_endpoint(transport: str, bind_host: str,
-                  on_lost: Callable[[int, str, bool], None] | None = None) -> TcpEndpoint | ZmqEndpoint:
+                  on_lost: Callable[[int, str, bool], None] | None = None,
+                  zmq_context: Any = None) -> TcpEndpoint | ZmqEndpoint:
     if transport == "tcp":
         return TcpEndpoint(bind_host, on_lost=on_lost)
     if transport == "zmq":
-        return ZmqEndpoint(bind_host, on_lost=on_lost)
+        return ZmqEndpoint(bind_host, on_lost=on_lost, zmq_context=zmq_context)
     raise ValueError(f"unknown transport {transport!r}")

@@ -54,8 +54,8 @@ def test_deadlines_name_the_missing_keys(store):
     t = time.monotonic()
     with pytest.raises(ctrlcomm.StoreTimeoutError, match="never"):
         c.get("never", timeout=0.5)
+    c.set("a", "x")
     with pytest.raises(ctrlcomm.StoreTimeoutError, match=r"\['b'\]"):
-        c.set("a", "x")
         c.wait(["a", "b"], timeout=0.5)
     assert time.monotonic() - t < 3
     c.close()

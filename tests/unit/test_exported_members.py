@@ -3,10 +3,10 @@ import ctrlcomm
 
 def test_all_is_pinned():
     assert sorted(ctrlcomm.__all__) == sorted([
-        "AioGroup", "CodecError", "CollectiveTimeoutError", "ConcurrentUseError",
+        "AioGroup", "AsyncZMQCommunicator", "CodecError", "CollectiveTimeoutError", "ConcurrentUseError",
         "CtrlcommError", "FormationError", "FormationTimeoutError", "Group",
         "GroupBrokenError", "GroupClosedError", "InvalidArgumentError", "MismatchError",
-        "PeerLostError", "ReductionError", "StoreClient", "StoreError", "StoreServer",
+        "PeerLostError", "ReductionError", "StatelessProcessGroup", "StoreClient", "StoreError", "StoreServer",
         "StoreTimeoutError", "__version__",
     ])
     for name in ctrlcomm.__all__:

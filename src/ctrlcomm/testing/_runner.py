@@ -42,13 +42,15 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
-              start_method: str = "spawn", **kwargs: Any) -> list[Any]:
+              start_method: str = "spawn", may_die: tuple[int, ...] = (),
+              **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new processes.
 
     ``fn`` must be importable (a module-level function). Returns the results in rank order.
     Raises :class:`RankFailedError` with every failing rank's traceback if any rank raised,
     exited without a result, or was still running after ``timeout`` seconds (such ranks are
-    killed, by pid: only processes this call started).
+    killed, by pid: only processes this call started). Ranks in ``may_die`` may exit (or be
+    killed) without a result: theirs is then ``None``.
     """
     ctx: Any = mp.get_context(start_method)
     q = ctx.Queue()
@@ -67,12 +69,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 continue
             except queue.Empty:
                 pass
+            except (OSError, EOFError) as e:  # a result that cannot be rebuilt here
+                raise RankFailedError(
+                    f"a rank's result could not be received: {e!r} (results must be plain "
+                    "picklable data: torch tensors, for one, cannot outlive their process "
+                    "through a multiprocessing queue)", {}) from e
             for r, p in enumerate(procs):
                 if r not in results and p.exitcode is not None and q.empty():
                     # allow the queue's feeder thread a moment to deliver
                     time.sleep(0.2)
                     if q.empty() and r not in results:
-                        results[r] = (False, f"exited with code {p.exitcode} and no result")
+                        results[r] = (r in may_die, None if r in may_die else
+                                      f"exited with code {p.exitcode} and no result")
             if time.monotonic() > deadline:
                 for r in range(world_size):
                     if r not in results:

@@ -1,0 +1,159 @@
+"""vLLM's ``StatelessProcessGroup`` API on the ctrlcomm core.
+
+Same names, signatures and observable semantics as ``vllm.distributed.utils``, with the
+original's weak points fixed: the data plane is direct sockets (not a TCPStore), so two ranks
+sending to one destination never overwrite each other, nothing piles up in a store (memory
+stays flat however many broadcasts run; :meth:`expire_data` has nothing left to do), every
+wait has a deadline, and a dead peer is an error naming it.
+"""
+
+from __future__ import annotations
+
+import socket as _socket
+from typing import Any
+
+from ._errors import InvalidArgumentError
+from ._group import Group
+from ._store import StoreClient
+from ._transport import StoreServer
+
+_TENSOR_TAG = 1 << 40  # point-to-point tensors travel apart from send_obj/recv_obj objects
+
+
+def _torch_op(op: Any) -> str:
+    import torch.distributed as dist
+
+    R = dist.ReduceOp
+    for name, value in (("sum", R.SUM), ("prod", R.PRODUCT), ("max", R.MAX), ("min", R.MIN)):
+        if op == value or (isinstance(op, str) and op.lower() in (name, str(value).lower())):
+            return name
+    raise InvalidArgumentError(f"all_reduce: op {op!r} is not supported; use ReduceOp.SUM, "
+                               "PRODUCT, MAX or MIN")
+
+
+class StatelessProcessGroup:
+    """A group made without torch.distributed's global state (vLLM's API).
+
+    Attributes:
+        rank: this process's rank.
+        world_size: number of ranks.
+        store: the rendezvous store client (``set``, ``get``, ``add``, ``delete_key``...).
+        data_expiration_seconds: kept for compatibility; no data is kept to expire.
+    """
+
+    def __init__(self, group: Group, *, data_expiration_seconds: int = 3600,
+                 server: StoreServer | None = None,
+                 socket: _socket.socket | None = None) -> None:
+        self._group = group
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self.store: StoreClient | None = group.store
+        self.data_expiration_seconds = data_expiration_seconds
+        self.socket = socket
+        self._server = server
+
+    @staticmethod
+    def create(host: str, port: int, rank: int, world_size: int,
+               data_expiration_seconds: int = 3600, store_timeout: int = 300,
+               listen_socket: _socket.socket | None = None) -> StatelessProcessGroup:
+        """A replacement for ``torch.distributed.init_process_group`` without global state.
+
+        Rank 0 serves the rendezvous store on ``(host, port)``, from ``listen_socket`` when
+        given (a socket already bound and listening there, which reserves the port early).
+        ``store_timeout`` bounds formation and is the default deadline of every call.
+        """
+        server = None
+        if rank == 0 and listen_socket is not None:
+            server = StoreServer(host, port, listen_socket=listen_socket)
+        try:
+            g = Group.create(host, port, rank, world_size, name="stateless",
+                             timeout=float(store_timeout),
+                             host_store=None if server is None else False)
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
+        return StatelessProcessGroup(g, data_expiration_seconds=data_expiration_seconds,
+                                     server=server, socket=listen_socket)
+
+    # ------------------------------------------------------------------ objects
+
+    def send_obj(self, obj: Any, dst: int) -> None:
+        """Send an object to ``dst`` (returns at once; ordered per destination)."""
+        self._group.send(obj, dst)
+
+    def recv_obj(self, src: int) -> Any:
+        """The next object ``src`` sent to this rank."""
+        return self._group.recv(src)
+
+    def broadcast_obj(self, obj: Any | None, src: int) -> Any:
+        """``src``'s object, on every rank (the source gets its own object back)."""
+        return self._group.broadcast(obj, src=src)
+
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        """Every rank's object, in rank order."""
+        return self._group.all_gather(obj)
+
+    def barrier(self, timeout: float = 30.0) -> None:
+        """Return once every rank is here; raise ``TimeoutError`` after ``timeout`` s."""
+        self._group.barrier(timeout=timeout)
+
+    def expire_data(self) -> None:
+        """Nothing to do: ctrlcomm keeps no data behind (kept for API compatibility)."""
+
+    # ------------------------------------------------------------------ tensors
+
+    def broadcast(self, tensor: Any, src: int) -> Any:
+        """Copy ``src``'s tensor into ``tensor`` on every rank (in place); returns it."""
+        payload = tensor.detach().cpu() if self.rank == src else None
+        got = self._group.broadcast(payload, src=src)
+        if self.rank != src:
+            self._fill(tensor, got, "broadcast", src)
+        return tensor
+
+    def send(self, tensor: Any, dst: int) -> None:
+        """Send a tensor to ``dst``."""
+        self._group.send(tensor.detach().cpu(), dst, tag=_TENSOR_TAG)
+
+    def recv(self, tensor: Any, src: int) -> Any:
+        """Receive the next tensor from ``src`` into ``tensor`` (same shape and dtype)."""
+        got = self._group.recv(src, tag=_TENSOR_TAG)
+        self._fill(tensor, got, "recv", src)
+        return tensor
+
+    def all_reduce(self, tensor: Any, op: Any = None) -> Any:
+        """Reduce ``tensor`` over all ranks in place (``ReduceOp.SUM`` by default)."""
+        import torch.distributed as dist
+
+        name = _torch_op(dist.ReduceOp.SUM if op is None else op)
+        result = self._group.all_reduce(tensor.detach().cpu(), op=name)
+        tensor.copy_(result)
+        return tensor
+
+    def _fill(self, tensor: Any, got: Any, what: str, src: int) -> None:
+        if tuple(got.shape) != tuple(tensor.shape) or got.dtype != tensor.dtype:
+            raise InvalidArgumentError(
+                f"{what} on rank {self.rank}: rank {src} sent a tensor of shape "
+                f"{tuple(got.shape)} and dtype {got.dtype}, this rank expects "
+                f"{tuple(tensor.shape)} {tensor.dtype}")
+        tensor.copy_(got)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        self._group.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def __enter__(self) -> StatelessProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<ctrlcomm.StatelessProcessGroup rank {self.rank}/{self.world_size}>"
+
+
+__all__ = ["StatelessProcessGroup"]

@@ -1,0 +1,153 @@
+"""torch interop (``pip install 'ctrlcomm[torch]'``).
+
+- :func:`group_from_torch` (also ``ctrlcomm.Group.from_torch``): a ctrlcomm group with the
+  same ranks as a torch process group (any subgroup), formed through that group once.
+- :func:`init_torch_process_group`: a real torch ProcessGroup (gloo, or NCCL on GPUs) over the
+  ranks of a ctrlcomm group, made without torch.distributed's default group or global state,
+  as vLLM's ``stateless_init_torch_distributed_process_group`` does.
+
+Small CPU tensors sent through any ctrlcomm collective arrive as tensors (they are pickled).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "ctrlcomm.torch needs PyTorch: pip install 'ctrlcomm[torch]' "
+        "(or install the torch build for your machine first)"
+    ) from e
+
+from ._errors import InvalidArgumentError
+from ._group import Group
+from ._transport import StoreServer, local_address_for
+
+__all__ = ["group_from_torch", "init_torch_process_group"]
+
+
+def _default_host() -> str:
+    """An address of this machine that the other ranks can reach.
+
+    The interface toward torchrun's ``MASTER_ADDR`` when it is set (the peers reach that
+    network too), else what this host's name resolves to, else loopback.
+    """
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            return local_address_for(master, int(os.environ.get("MASTER_PORT", "29500")))
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
+                     name: str = "torch", timeout: float = 300.0, **kwargs: Any) -> Group:
+    """A ctrlcomm :class:`~ctrlcomm.Group` over the ranks of a torch process group.
+
+    Collective over ``process_group`` (``None``: the default group): every member must call
+    it. The group's first rank (its leader, group rank 0) serves a rendezvous store on
+    ``hostname`` (default: see :func:`_default_host`) and broadcasts its address through
+    ``process_group``, once; ranks are the group ranks of ``process_group``.
+
+    Args:
+        process_group: a torch ProcessGroup, or None for the default group.
+        hostname: address the leader's store binds to (reachable by every member).
+        name: the ctrlcomm group's name.
+        timeout: the ctrlcomm group's default timeout.
+        **kwargs: passed on to :meth:`ctrlcomm.Group.create` (``transport``, ``codec``...).
+    """
+    if not dist.is_initialized():
+        raise InvalidArgumentError("Group.from_torch: torch.distributed is not initialized")
+    pg = process_group if process_group is not None else dist.group.WORLD
+    rank = dist.get_rank(pg)
+    if rank < 0:
+        raise InvalidArgumentError("Group.from_torch: this rank is not a member of the group")
+    size = dist.get_world_size(pg)
+    leader = dist.get_process_group_ranks(pg)[0]
+    server = None
+    info: list[Any] = [None]
+    if rank == 0:
+        host = hostname or _default_host()
+        server = StoreServer(host, 0)
+        info = [(host, server.port)]
+    try:
+        dist.broadcast_object_list(info, src=leader, group=pg)
+        host, port = info[0]
+        g = Group.create(host, port, rank, size, name=name, timeout=timeout, host_store=False,
+                         **kwargs)
+    finally:
+        # Group.create returns on rank 0 only once every rank has formed: the store is done
+        if server is not None:
+            server.close()
+    return g
+
+
+def _timedelta(timeout: float | datetime.timedelta) -> datetime.timedelta:
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(
+        seconds=float(timeout))
+
+
+def init_torch_process_group(group: Group, backend: str = "gloo",
+                             timeout: float | datetime.timedelta = 1800.0) -> Any:
+    """A torch ProcessGroup over the ranks of ``group``, outside torch's global state.
+
+    Rank 0 serves a torch ``TCPStore`` on a free port (only for the backend's own
+    rendezvous), whose address travels through ``group``. The result is not registered with
+    torch.distributed: ``torch.distributed.is_initialized()`` stays as it was, and several
+    such groups can coexist in one process. Use it with ``pg.allreduce([t]).wait()`` or
+    ``torch.distributed.all_reduce(t, group=pg)``.
+
+    Args:
+        group: the ctrlcomm group whose ranks make the process group (collective over it).
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+        timeout: the backend's timeout, in seconds or as a timedelta.
+    """
+    from torch.distributed import PrefixStore, ProcessGroup, TCPStore  # type: ignore[attr-defined]
+
+    backend = str(backend).lower()
+    if backend not in ("gloo", "nccl"):
+        raise InvalidArgumentError(f"init_torch_process_group: unsupported backend {backend!r}")
+    td = _timedelta(timeout)
+    rank, size = group.rank, group.world_size
+    host = group._core.ep.address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    store = None
+    if rank == 0:
+        store = TCPStore(host, 0, size, True, timeout=td, wait_for_workers=False)
+        addr = (host, store.port, os.urandom(8).hex())
+    else:
+        addr = None
+    host, port, tag = group.broadcast(addr, src=0)
+    if store is None:
+        store = TCPStore(host, port, size, False, timeout=td)
+    prefix = PrefixStore(f"ctrlcomm/{group.name}/{tag}", store)
+    pg = ProcessGroup(prefix, rank, size)
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        impl: Any = ProcessGroupGloo(prefix, rank, size, timeout=td)
+        btype = ProcessGroup.BackendType.GLOO
+        device = torch.device("cpu")
+    else:
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = td
+        impl = ProcessGroupNCCL(prefix, rank, size, opts)
+        btype = ProcessGroup.BackendType.NCCL
+        device = torch.device("cuda")
+    if hasattr(pg, "_set_default_backend"):
+        pg._set_default_backend(btype)
+    if hasattr(impl, "_set_sequence_number_for_group"):
+        impl._set_sequence_number_for_group()
+    pg._register_backend(device, btype, impl)
+    return pg  # the backend holds the prefix store, which holds the TCPStore: alive as long

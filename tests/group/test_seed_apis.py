@@ -1,0 +1,405 @@
+"""The seed APIs: vLLM's StatelessProcessGroup and Megatron's AsyncZMQCommunicator."""
+
+import asyncio
+import gc
+import time
+
+import pytest
+
+import ctrlcomm
+from ctrlcomm.testing import free_port, run_ranks
+
+# ----------------------------------------------------------------- StatelessProcessGroup
+
+
+def spg_scenarios(rank, size, port):
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    out = {"attrs": (pg.rank, pg.world_size, pg.data_expiration_seconds, pg.store is not None)}
+    out["bcast"] = pg.broadcast_obj({"from": rank} if rank == 2 else None, src=2)
+    out["gather"] = pg.all_gather_obj(("r", rank))
+    pg.send_obj(f"ring{rank}", (rank + 1) % size)
+    out["ring"] = pg.recv_obj((rank - 1) % size)
+    # many senders to one receiver: nothing overwritten, order kept per sender
+    if rank != 0:
+        for i in range(50):
+            pg.send_obj((rank, i), 0)
+    else:
+        out["many"] = {s: [pg.recv_obj(s) for _ in range(50)] for s in range(1, size)}
+    pg.barrier(timeout=10)
+    pg.expire_data()
+    # vLLM shares an NCCL unique id through broadcast_obj on any object with .rank etc.
+    out["uid"] = share_unique_id(pg)
+    return out
+
+
+def share_unique_id(group_like):
+    uid = b"\x01unique-id" if group_like.rank == 0 else None
+    return group_like.broadcast_obj(uid, src=0)
+
+
+def test_stateless_process_group_scenarios():
+    res = run_ranks(spg_scenarios, 4, free_port())
+    for r, out in enumerate(res):
+        assert out["attrs"] == (r, 4, 3600, True)
+        assert out["bcast"] == {"from": 2}
+        assert out["gather"] == [("r", i) for i in range(4)]
+        assert out["ring"] == f"ring{(r - 1) % 4}"
+        assert out["uid"] == b"\x01unique-id"
+    assert res[0]["many"] == {s: [(s, i) for i in range(50)] for s in (1, 2, 3)}
+
+
+def spg_overlapping(rank, size, port1, port2):
+    from ctrlcomm import StatelessProcessGroup
+
+    pg1 = StatelessProcessGroup.create("127.0.0.1", port1, rank, size)
+    out = [pg1.all_gather_obj(rank)]
+    if rank <= 2:  # a second group of ranks 0-2 on another port
+        pg2 = StatelessProcessGroup.create("127.0.0.1", port2, rank, 3)
+        out.append(pg2.broadcast_obj(f"g2-{rank}", src=1))
+        out.append(pg2.all_gather_obj(rank * 10))
+    out.append(pg1.broadcast_obj("g1", src=3))
+    return out
+
+
+def test_two_overlapping_stateless_groups():
+    res = run_ranks(spg_overlapping, 4, free_port(), free_port())
+    for r in range(3):
+        assert res[r] == [[0, 1, 2, 3], "g2-1", [0, 10, 20], "g1"]
+    assert res[3] == [[0, 1, 2, 3], "g1"]
+
+
+def spg_listen_socket(rank, size, port):
+    import socket
+
+    from ctrlcomm import StatelessProcessGroup
+
+    sock = None
+    if rank == 0:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size, listen_socket=sock)
+    got = pg.all_gather_obj(rank)
+    pg.close()
+    return got
+
+
+def test_listen_socket_reserves_the_port():
+    assert run_ranks(spg_listen_socket, 2, free_port()) == [[0, 1], [0, 1]]
+
+
+def spg_barrier_timeout(rank, size, port):
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    if rank == 1:
+        time.sleep(2.5)
+        return None
+    t = time.monotonic()
+    try:
+        pg.barrier(timeout=1.0)
+    except TimeoutError as e:
+        return time.monotonic() - t, str(e)
+
+
+def test_barrier_returns_or_raises_within_its_timeout():
+    took, msg = run_ranks(spg_barrier_timeout, 2, free_port())[0]
+    assert 0.9 < took < 1.6 and "[1]" in msg
+
+
+def spg_dead_peer(rank, size, port):
+    import os
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    pg.barrier()
+    if rank == 1:
+        os._exit(0)  # dies without closing anything
+    t = time.monotonic()
+    try:
+        pg.recv_obj(1)
+    except ctrlcomm.PeerLostError as e:
+        return time.monotonic() - t, str(e)
+
+
+def test_dead_peer_is_named_quickly_not_a_300s_hang():
+    took, msg = run_ranks(spg_dead_peer, 2, free_port(), may_die=(1,))[0]
+    assert "rank 1" in msg and took < 5
+
+
+def spg_memory(rank, size, port, n):
+    import resource
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    obj = {"step": 0, "payload": "x" * 100}
+
+    def rss_kb():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        return 0
+
+    for _ in range(20000):  # a root may run ahead of its receivers, by a bounded amount
+        pg.broadcast_obj(obj if rank == 0 else None, src=0)
+    gc.collect()
+    before = rss_kb()
+    for i in range(n):
+        obj["step"] = i
+        got = pg.broadcast_obj(obj if rank == 0 else None, src=0)
+        assert got["step"] == i
+    gc.collect()
+    after = rss_kb()
+    core = pg._group._core
+    return after - before, len(core.box), len(core.p2p), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+@pytest.mark.slow
+def test_memory_flat_after_100k_broadcasts():
+    res = run_ranks(spg_memory, 2, free_port(), 100_000, timeout=300)
+    for grown_kb, box, p2p, _ in res:
+        assert box == 0 and p2p == 0
+        assert grown_kb < 8 * 1024, f"RSS grew by {grown_kb} KiB over 100,000 broadcasts"
+
+
+# ---------------------------------------------------------------------- tensors (torch)
+
+
+def spg_tensors(rank, size, port):
+    import torch
+    import torch.distributed as dist
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    t = torch.full((2, 3), float(rank))
+    pg.broadcast(t, src=1)
+    out = {"bcast": t.tolist()}
+    x = torch.tensor([rank + 1, -rank], dtype=torch.int64)
+    out["sum"] = pg.all_reduce(x.clone(), op=dist.ReduceOp.SUM).tolist()
+    out["max"] = pg.all_reduce(x.clone(), op=dist.ReduceOp.MAX).tolist()
+    out["min"] = pg.all_reduce(x.clone(), op=dist.ReduceOp.MIN).tolist()
+    out["prod"] = pg.all_reduce(x.clone(), op=dist.ReduceOp.PRODUCT).tolist()
+    try:
+        pg.all_reduce(x.clone(), op=dist.ReduceOp.BAND)
+    except ctrlcomm.InvalidArgumentError as e:
+        out["band"] = str(e)
+    if rank == 0:
+        pg.send(torch.arange(4, dtype=torch.float32), dst=1)
+        pg.send_obj("an object, not a tensor", dst=1)
+    elif rank == 1:
+        buf = torch.zeros(4)
+        pg.recv(buf, src=0)
+        out["recv"] = buf.tolist()
+        out["obj"] = pg.recv_obj(0)
+    out["as_tensor"] = type(pg.broadcast_obj(torch.tensor([7]), src=0)).__name__
+    return out
+
+
+@pytest.mark.torch
+def test_tensor_methods():
+    pytest.importorskip("torch")
+    res = run_ranks(spg_tensors, 3, free_port())
+    for out in res:
+        assert out["bcast"] == [[1.0] * 3] * 2
+        assert out["sum"] == [6, -3] and out["max"] == [3, 0]
+        assert out["min"] == [1, -2] and out["prod"] == [6, 0]
+        assert "not supported" in out["band"]
+        assert out["as_tensor"] == "Tensor"
+    assert res[1]["recv"] == [0.0, 1.0, 2.0, 3.0]
+    assert res[1]["obj"] == "an object, not a tensor"
+
+
+# --------------------------------------------------------------- AsyncZMQCommunicator
+
+
+def megatron(rank, size, port, use_subgroup):
+    import os
+
+    import torch.distributed as dist
+    import zmq
+
+    from ctrlcomm import AsyncZMQCommunicator
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    sub = dist.new_group([1, 2, 3]) if use_subgroup else None
+    out = {}
+    if use_subgroup and rank == 0:
+        dist.barrier()
+        dist.destroy_process_group()
+        return out
+    ctx = zmq.Context()
+    comm = AsyncZMQCommunicator(ctx, sub)
+    out["leader"] = comm.is_leader
+    big = 2**40 + rank
+
+    async def main():
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        task = asyncio.create_task(ticker())
+        if comm.rank == 0:
+            await asyncio.sleep(0.3)  # the leader is late: the others' loops must keep ticking
+        one = await comm.all_reduce_max(-rank - 5)
+        two = await comm.all_reduce_max(rank, big)
+        mins = await comm.all_reduce_min(rank, -big)
+        sums = await comm.all_reduce_sum(1)
+        b = await comm.broadcast("hi" if comm.rank == 0 else None)
+        await comm.barrier()
+        stop.set()
+        await task
+        return one, two, mins, sums, b, ticks
+
+    out["async"] = asyncio.run(main())
+    out["sync"] = comm.sync_all_reduce_max(rank, -(2**35))
+    try:
+        comm.sync_all_reduce_max()
+    except ValueError as e:
+        out["empty"] = str(e)
+    comm.close()
+    ctx.term()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("use_subgroup", [False, True])
+def test_async_zmq_communicator(use_subgroup):
+    pytest.importorskip("torch")
+    res = run_ranks(megatron, 4, free_port(), use_subgroup, timeout=120)
+    members = [1, 2, 3] if use_subgroup else [0, 1, 2, 3]
+    big = 2**40
+    for r in members:
+        one, two, mins, sums, b, ticks = res[r]["async"]
+        assert one == -min(members) - 5 and isinstance(one, int)
+        assert two == (max(members), big + max(members))
+        assert mins == (min(members), -big - max(members))
+        assert sums == len(members) and b == "hi"
+        assert res[r]["sync"] == (max(members), -(2**35))
+        assert "at least one value" in res[r]["empty"]
+        assert res[r]["leader"] == (r == members[0])
+        if r != members[0]:
+            assert ticks >= 20, f"rank {r}'s loop ticked {ticks} times while waiting"
+
+
+def megatron_single(rank, size, port):
+    import os
+
+    import torch.distributed as dist
+
+    from ctrlcomm import AsyncZMQCommunicator
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    comm = AsyncZMQCommunicator(None, None)
+    out = asyncio.run(comm.all_reduce_max(3, 2**50)), comm.sync_all_reduce_max(9)
+    comm.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.torch
+def test_async_zmq_communicator_world_of_one():
+    pytest.importorskip("torch")
+    assert run_ranks(megatron_single, 1, free_port()) == [((3, 2**50), 9)]
+
+
+# -------------------------------------------------------------------------- torch interop
+
+
+def torch_interop(rank, size, port, port_b):
+    import torch
+    import torch.distributed as dist
+
+    from ctrlcomm import Group
+    from ctrlcomm.torch import init_torch_process_group
+
+    g = Group.create("127.0.0.1", port, rank, size, name="interop")
+    pg = init_torch_process_group(g, backend="gloo")
+    t = torch.tensor([rank + 1.0, 2.0])
+    pg.allreduce([t]).wait()
+    out = {"pg": t.tolist(), "initialized": dist.is_initialized()}
+    # a second one at once, over a second ctrlcomm group of ranks 0-1
+    if rank < 2:
+        g2 = Group.create("127.0.0.1", port_b, rank, 2, name="interop2")
+        pg2 = init_torch_process_group(g2)
+        u = torch.tensor([10 * (rank + 1)])
+        dist.all_reduce(u, group=pg2)
+        out["pg2"] = u.tolist()
+        g2.close()
+    t2 = torch.tensor([1])
+    pg.allreduce([t2]).wait()
+    out["pg_again"] = t2.tolist()
+    out["initialized_after"] = dist.is_initialized()
+    got = g.all_gather(torch.tensor([rank]))
+    assert all(isinstance(x, torch.Tensor) for x in got)
+    out["tensor_through_ctrlcomm"] = [x.tolist() for x in got]  # plain data back to the parent
+    g.close()
+    return out
+
+
+@pytest.mark.torch
+def test_init_torch_process_group_without_global_state():
+    pytest.importorskip("torch")
+    res = run_ranks(torch_interop, 4, free_port(), free_port(), timeout=120)
+    for r, out in enumerate(res):
+        assert out["pg"] == [10.0, 8.0]
+        assert out["pg_again"] == [4]
+        assert out["initialized"] is False and out["initialized_after"] is False
+        assert out["tensor_through_ctrlcomm"] == [[0], [1], [2], [3]]
+        if r < 2:
+            assert out["pg2"] == [30]
+
+
+def from_torch(rank, size, port):
+    import os
+
+    import torch.distributed as dist
+
+    from ctrlcomm import Group
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    sub = dist.new_group([0, 2])
+    out = []
+    g = Group.from_torch()
+    out.append((g.rank, g.world_size, g.all_gather(rank)))
+    if rank in (0, 2):
+        s = Group.from_torch(sub)
+        out.append((s.rank, s.world_size, s.all_gather(rank)))
+        s.close()
+    g.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.torch
+def test_group_from_torch_and_subgroup():
+    pytest.importorskip("torch")
+    res = run_ranks(from_torch, 3, free_port(), timeout=120)
+    for r, out in enumerate(res):
+        assert out[0] == (r, 3, [0, 1, 2])
+    assert res[0][1] == (0, 2, [0, 2]) and res[2][1] == (1, 2, [0, 2])
+
+
+def test_ctrlcomm_torch_without_torch_says_what_to_install():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n import ctrlcomm.torch\nexcept ImportError as e: print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    assert "pip install 'ctrlcomm[torch]'" in out
