@@ -167,24 +167,38 @@ async def _measure_async(calls: dict[str, Callable[[Any], Any]], sync: Callable[
     return out
 
 
-def system_ctrlcomm(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None]
-                    ) -> dict[tuple[str, int], dict[str, Any]]:
+def system_ctrlcomm(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None],
+                    aio: bool = False) -> dict[tuple[str, int], dict[str, Any]]:
     from . import Group
 
     plan = op_sizes(cfg["ops"], cfg["sizes"])
     with Group.create(cfg["host"], cfg["port"], rank, n, name=f"bench{cfg['tag']}",
                       host_store=cfg["host_store"] and rank == 0, timeout=120,
                       transport=cfg.get("transport", "tcp")) as g:
-        if cfg.get("aio"):
+        if aio:
             return asyncio.run(_measure_async(_ctrlcomm_calls(g, g.aio, rank, n), g.aio.barrier,
                                               plan, rank, cfg["iters"], cfg["warmup"], progress))
         return _measure_sync(_ctrlcomm_calls(g, g, rank, n), g.barrier, plan, rank,
                              cfg["iters"], cfg["warmup"], progress)
 
 
+def system_ctrlcomm_aio(rank: int, n: int, cfg: dict[str, Any],
+                        progress: Callable[[str, int], None]) -> dict[tuple[str, int], Any]:
+    return system_ctrlcomm(rank, n, cfg, progress, aio=True)
+
+
 SYSTEMS: dict[str, Callable[..., dict[tuple[str, int], dict[str, Any]]]] = {
     "ctrlcomm": system_ctrlcomm,
+    "ctrlcomm-aio": system_ctrlcomm_aio,
 }
+
+
+def _system(name: str) -> Callable[..., Results]:
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    from ._baselines import SYSTEMS as OTHERS
+
+    return OTHERS[name]
 
 
 # ------------------------------------------------------------------------- aggregation
@@ -245,7 +259,7 @@ def _bench_child(rank: int, n: int, system: str, cfg: dict[str, Any], q: Any) ->
         if rank == 0 and q is not None:
             q.put(("progress", op, size))
 
-    return SYSTEMS[system](rank, n, cfg, progress)
+    return _system(system)(rank, n, cfg, progress)
 
 
 class _Progress:
@@ -271,8 +285,9 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
     import multiprocessing as mp
     import threading
 
+    from ._baselines import run_mpi
     from ._transport import StoreServer
-    from .testing import run_ranks
+    from .testing import free_port, run_ranks
 
     plan = op_sizes(cfg["ops"], cfg["sizes"])
     bar = _Progress(len(plan) * len(world_sizes) * len(systems), stream)
@@ -280,6 +295,14 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
     ctx = mp.get_context("spawn")
     for n in world_sizes:
         for system in systems:
+            if system == "mpi":
+                per_rank = run_mpi(n, cfg)
+                for op, size in plan:
+                    bar.step(f"mpi N={n} {op} {fmt_size(size) if size else ''}")
+                for (op, size), fig in summarize(per_rank).items():
+                    rows.append({"system": system, "op": op, "size": size, "world_size": n,
+                                 **fig})
+                continue
             q = ctx.Queue()
             stop = threading.Event()
 
@@ -295,7 +318,7 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
             th.start()
             with StoreServer("127.0.0.1", 0) as srv:
                 c = dict(cfg, host="127.0.0.1", port=srv.port, host_store=False,
-                         tag=f"{system}{n}")
+                         tag=f"{system}{n}", aux_port=free_port())
                 try:
                     per_rank = run_ranks(_bench_child, n, system, c, q,
                                          timeout=cfg.get("timeout", 900))
@@ -306,6 +329,78 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
                 rows.append({"system": system, "op": op, "size": size, "world_size": n, **fig})
     bar.end()
     return rows
+
+
+def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any]
+                  ) -> list[dict[str, Any]] | None:
+    """Run this rank of a multi-host ctrlcomm benchmark; rank 0 returns the rows.
+
+    Rank 0 hosts the store at ``(host, port)``; per-rank figures travel to rank 0 through a
+    ctrlcomm group of their own.
+    """
+    from . import Group
+
+    rows = []
+    for system in ("ctrlcomm", "ctrlcomm-aio") if cfg.get("aio") else ("ctrlcomm",):
+        c = dict(cfg, host=host, port=port, host_store=True, tag=system)
+        mine = SYSTEMS[system](rank, n, c, lambda op, size: None)
+        with Group.create(host, port, rank, n, name=f"results-{system}", timeout=300) as g:
+            everyone = g.gather(mine, dst=0)
+        if everyone is not None:
+            for (op, size), fig in summarize(everyone).items():
+                rows.append({"system": system, "op": op, "size": size, "world_size": n, **fig})
+    return rows if rank == 0 else None
+
+
+def plot(path: str, rows: list[dict[str, Any]]) -> None:
+    """Latency against world size (small payloads) and against payload size (largest world),
+    one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    ops = [o for o in DEFAULT_OPS if any(r["op"] == o for r in rows)]
+    sizes = sorted({r["size"] for r in rows if r["size"]})
+    small = min(sizes) if sizes else 0
+    worlds = sorted({r["world_size"] for r in rows})
+    sized = [o for o in ops if len({r["size"] for r in rows if r["op"] == o}) > 1]
+    panels = len(ops) + len(sized)
+    cols = 4
+    fig, axes = plt.subplots((panels + cols - 1) // cols, cols,
+                             figsize=(4.2 * cols, 3.4 * ((panels + cols - 1) // cols)),
+                             squeeze=False)
+    flat = [a for row in axes for a in row]
+    for ax, op in zip(flat, ops, strict=False):
+        for sysname in systems:
+            pts = sorted((r["world_size"], r["median_us"]) for r in rows
+                         if r["system"] == sysname and r["op"] == op
+                         and r["size"] in (0, small))
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=sysname)
+        ax.set_title(f"{op} ({fmt_size(small) if op in SIZED_OPS else '-'}) vs world size")
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("median latency (us)")
+        ax.set_yscale("log")
+        ax.set_xticks(worlds)
+    for ax, op in zip(flat[len(ops):], sized, strict=False):
+        n = max(worlds)
+        for sysname in systems:
+            pts = sorted((r["size"], r["median_us"]) for r in rows
+                         if r["system"] == sysname and r["op"] == op and r["world_size"] == n)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=sysname)
+        ax.set_title(f"{op} vs payload size (N={n})")
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("median latency (us)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    for ax in flat[panels:]:
+        ax.axis("off")
+    flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:

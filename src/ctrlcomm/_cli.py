@@ -34,16 +34,46 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = {"ops": ops, "sizes": [b.parse_size(s) for s in args.sizes.split(",")],
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
            "transport": args.transport}
-    systems = ["ctrlcomm"]
+    systems = ["ctrlcomm"] + (["ctrlcomm-aio"] if args.aio else [])
     if args.rank is not None:
-        print("multi-host mode: see issue tracker; run locally with -n for now", file=sys.stderr)
-        return 2
-    sizes = [int(x) for x in args.n.split(",")]
-    rows = b.run_local(sizes, systems, cfg)
-    print(b.table(rows, systems))
+        if args.host is None or args.port is None or args.world_size is None:
+            print("multi-host mode needs --host, --port, --rank and --world-size",
+                  file=sys.stderr)
+            return 2
+        if args.against:
+            print("--against runs only with local ranks (-n); ignoring it", file=sys.stderr)
+        rows = b.run_multihost(args.host, args.port, args.rank, args.world_size, cfg)
+        if rows is None:
+            return 0
+    else:
+        from ._baselines import missing
+
+        for other in [a.strip() for a in (args.against or "").split(",") if a.strip()]:
+            if other not in ("gloo", "mpi", "store", "star"):
+                print(f"unknown system {other!r} in --against (gloo, mpi, store, star)",
+                      file=sys.stderr)
+                return 2
+            why = missing(other)
+            if why:
+                print(f"skipping {other}: {why}", file=sys.stderr)
+            else:
+                systems.append(other)
+        if args.against and "star" not in systems and "gloo" in systems \
+                and missing("star") is None:
+            systems.append("star")  # all_reduce against Megatron's original design too
+        rows = b.run_local([int(x) for x in args.n.split(",")], systems, cfg)
+    shown = [s for s in systems if any(r["system"] == s for r in rows)]
+    print(b.table(rows, shown))
     if args.json:
         b.write_json(args.json, rows, cfg)
         print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            b.plot(args.plot, rows)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'ctrlcomm[plot]'", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -64,7 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bp.add_argument("--sizes", default="8", help="payload sizes, e.g. 8,1K,64K,1M")
     bp.add_argument("--iters", type=int, default=1000)
     bp.add_argument("--warmup", type=int, default=100)
-    bp.add_argument("--aio", action="store_true", help="awaited calls instead of blocking")
+    bp.add_argument("--aio", action="store_true",
+                    help="also run the awaited (asyncio) variant, in its own column")
+    bp.add_argument("--against", help="compare with: gloo,mpi,store,star (star: all_reduce "
+                                      "as Megatron's original; added with gloo)")
+    bp.add_argument("--plot", help="write a PNG plot (needs matplotlib)")
     bp.add_argument("--transport", default="tcp", choices=["tcp", "zmq"])
     bp.add_argument("--json", help="write results to this file")
     bp.add_argument("--host")

@@ -106,6 +106,7 @@ class Core:
         self.last = "nothing yet"
         self._lock = threading.Lock()
         self._owner = ""
+        self.ctx = _plans.Ctx(rank, size)
         endpoint.on_lost = self._lost
 
     def _lost(self, rank: int, why: str, certain: bool) -> None:
@@ -263,7 +264,7 @@ class Core:
                 if (m.op, m.root) != (opcode, root):
                     self._set_mismatch(m)
                     break
-            gen = plan(_plans.Ctx(self.rank, self.size))
+            gen = plan(self.ctx)
             reply: dict[int, Any] | None = None
             while True:
                 try:

@@ -452,6 +452,7 @@ class TcpEndpoint:
         self._rbuf = bytearray(READ_CHUNK)
         self._rview = memoryview(self._rbuf)
         self.unflushed: set[_Conn] = set()  # connections with queued data (or connecting)
+        self._ready: list[tuple[int, int]] | None = None  # events seen by wait()
         _live.add(self)
 
     def set_peers(self, peers: dict[int, str]) -> None:
@@ -656,7 +657,8 @@ class TcpEndpoint:
         """Handle every ready socket now; hand each whole message to ``sink``."""
         n = 0
         lfd = self.lsock.fileno()
-        for fd, ev in self.ep.poll(0):
+        ready, self._ready = self._ready, None
+        for fd, ev in ready if ready is not None else self.ep.poll(0):
             if fd == lfd:
                 self._accept()
                 continue
@@ -691,7 +693,8 @@ class TcpEndpoint:
 
     def wait(self, timeout: float) -> None:
         """Sleep until a socket is ready or ``timeout`` seconds pass."""
-        self.ep.poll(max(timeout, 0.0))
+        # the next drain handles these events instead of asking epoll again
+        self._ready = self.ep.poll(max(timeout, 0.0)) or None
 
     async def wait_async(self, timeout: float) -> None:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""

@@ -329,9 +329,16 @@ MAX_MESSAGE = 1 << 31  # 2 GiB: a control plane; larger is garbage or an attack
 
 
 def stream_prefix(frames: Sequence[Any]) -> bytes:
-    n = len(frames)
-    lens = [memoryview(f).nbytes for f in frames]
-    return STREAM_HEAD.pack(STREAM_MAGIC, n) + struct.pack(f"<{n}Q", *lens)
+    return stream_prefix_lens([memoryview(f).nbytes for f in frames])
+
+
+_PREFIX = {n: struct.Struct(f"<2sH{n}Q") for n in range(1, 5)}
+
+
+def stream_prefix_lens(lens: Sequence[int]) -> bytes:
+    n = len(lens)
+    st = _PREFIX.get(n) or struct.Struct(f"<2sH{n}Q")
+    return st.pack(STREAM_MAGIC, n, *lens)
 
 
 class StreamDecoder:
@@ -353,6 +360,10 @@ class StreamDecoder:
         """
         if self.error is not None:
             raise self.error
+        if not self.buf and self._lens is None:
+            fast = self._whole(data)
+            if fast is not None:
+                return fast
         self.buf += data
         out: list[list[bytes]] = []
         try:
@@ -362,6 +373,34 @@ class StreamDecoder:
                 raise
             self.error = e
             return out
+
+    def _whole(self, data: bytes | memoryview) -> list[list[bytes]] | None:
+        """Messages straight from ``data`` when it holds whole, well-formed messages only
+        (the common case for small messages); None to take the general path."""
+        view = memoryview(data)
+        end = view.nbytes
+        pos = 0
+        out = []
+        while pos < end:
+            if end - pos < STREAM_HEAD.size:
+                return None
+            magic, n = STREAM_HEAD.unpack_from(view, pos)
+            if magic != STREAM_MAGIC or not 1 <= n <= MAX_FRAMES:
+                return None
+            st = _PREFIX.get(n)
+            if st is None or end - pos < st.size:
+                return None
+            lens = st.unpack_from(view, pos)[2:]
+            p = pos + st.size
+            if p + sum(lens) > end or sum(lens) > self.max_message:
+                return None
+            frames = []
+            for ln in lens:
+                frames.append(bytes(view[p : p + ln]))
+                p += ln
+            out.append(frames)
+            pos = p
+        return out
 
     def _parse(self, out: list[list[bytes]]) -> list[list[bytes]]:
         buf = self.buf

@@ -1,0 +1,341 @@
+"""The systems ``ctrlcomm bench --against`` compares with, run the way their users run them.
+
+These are reference implementations of *other* designs, kept apart from ctrlcomm's own
+layers on purpose (they open their own sockets, through torch or ZeroMQ):
+
+- ``gloo``: torch.distributed with the gloo backend; object collectives for objects
+  (``broadcast_object_list``, ``all_gather_object``...), a 2-element int64 tensor for
+  all_reduce of two ints.
+- ``store``: a TCPStore as the data plane, following the algorithm of vLLM's original
+  ``StatelessProcessGroup`` (``../shared/seeds``): a broadcast is a ``set`` by the source and a
+  ``get`` by every other rank under ``broadcast_from/{src}/{counter}``; all_gather and barrier
+  are N broadcasts; p2p is ``send_to/{dst}/{counter}``. Ops the original lacks are built from
+  its primitives the way its users do (all_reduce = all_gather then reduce locally).
+- ``star``: the design of Megatron's original ``AsyncZMQCommunicator`` for all_reduce: every
+  rank PUSHes its ints to rank 0, which reduces and PUBlishes the result; blocking receives.
+- ``mpi``: mpi4py over MPICH, launched with MPICH's ``mpiexec`` (see :func:`run_mpi`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._bench import Results, _measure_sync, op_sizes
+
+
+def _reduce_sum(vals: list[Any]) -> Any:
+    acc = vals[0]
+    for v in vals[1:]:
+        acc = tuple(a + b for a, b in zip(acc, v, strict=True)) if isinstance(acc, tuple) \
+            else acc + v
+    return acc
+
+
+# ------------------------------------------------------------------------------ gloo
+
+
+def system_gloo(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None]
+                ) -> Results:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{cfg['host']}:{cfg['aux_port']}",
+                            rank=rank, world_size=n)
+
+    def all_reduce(obj: Any) -> Any:
+        if isinstance(obj, tuple):
+            t = torch.tensor(obj, dtype=torch.int64)
+        else:
+            t = torch.from_numpy(obj)
+        dist.all_reduce(t)
+        return t
+
+    def broadcast(obj: Any) -> Any:
+        box = [obj if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(obj: Any) -> Any:
+        out = [None] * n
+        dist.all_gather_object(out, obj)
+        return out
+
+    def gather(obj: Any) -> Any:
+        out = [None] * n if rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def scatter(obj: Any) -> Any:
+        out = [None]
+        dist.scatter_object_list(out, [obj] * n if rank == 0 else None, src=0)
+        return out[0]
+
+    def send_recv(obj: Any) -> Any:
+        if n == 1:
+            return None
+        box = [obj]
+        if rank == 0:
+            dist.send_object_list(box, dst=1)
+            dist.recv_object_list(box, src=1)
+        elif rank == 1:
+            dist.recv_object_list(box, src=0)
+            dist.send_object_list(box, dst=0)
+        return box[0]
+
+    calls = {"barrier": lambda obj: dist.barrier(), "all_reduce": all_reduce,
+             "broadcast": broadcast, "all_gather": all_gather, "gather": gather,
+             "scatter": scatter, "send_recv": send_recv}
+    plan = [(op, s) for op, s in op_sizes(cfg["ops"], cfg["sizes"]) if op in calls]
+    try:
+        return _measure_sync(calls, dist.barrier, plan, rank, cfg["iters"], cfg["warmup"],
+                             progress)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- store
+
+
+class _StoreGroup:
+    """vLLM's original StatelessProcessGroup algorithm over a torch TCPStore."""
+
+    def __init__(self, store: Any, rank: int, n: int) -> None:
+        self.store, self.rank, self.world_size = store, rank, n
+        self.send_dst_counter = dict.fromkeys(range(n), 0)
+        self.recv_src_counter = dict.fromkeys(range(n), 0)
+        self.broadcast_send_counter = 0
+        self.broadcast_recv_src_counter = dict.fromkeys(range(n), 0)
+        self.entries: collections.deque[tuple[str, float]] = collections.deque()
+        self.data_expiration_seconds = 3600
+
+    def expire_data(self) -> None:
+        while self.entries:
+            key, ts = self.entries[0]
+            if time.perf_counter() - ts > self.data_expiration_seconds:
+                self.store.delete_key(key)
+                self.entries.popleft()
+            else:
+                break
+
+    def send_obj(self, obj: Any, dst: int) -> None:
+        self.expire_data()
+        key = f"send_to/{dst}/{self.send_dst_counter[dst]}"
+        self.store.set(key, pickle.dumps(obj))
+        self.send_dst_counter[dst] += 1
+        self.entries.append((key, time.perf_counter()))
+
+    def recv_obj(self, src: int) -> Any:
+        obj = pickle.loads(self.store.get(f"send_to/{self.rank}/{self.recv_src_counter[src]}"))
+        self.recv_src_counter[src] += 1
+        return obj
+
+    def broadcast_obj(self, obj: Any, src: int) -> Any:
+        if self.rank == src:
+            self.expire_data()
+            key = f"broadcast_from/{src}/{self.broadcast_send_counter}"
+            self.store.set(key, pickle.dumps(obj))
+            self.broadcast_send_counter += 1
+            self.entries.append((key, time.perf_counter()))
+            return obj
+        key = f"broadcast_from/{src}/{self.broadcast_recv_src_counter[src]}"
+        got = pickle.loads(self.store.get(key))
+        self.broadcast_recv_src_counter[src] += 1
+        return got
+
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        out = []
+        for i in range(self.world_size):
+            if i == self.rank:
+                out.append(obj)
+                self.broadcast_obj(obj, src=self.rank)
+            else:
+                out.append(self.broadcast_obj(None, src=i))
+        return out
+
+    def barrier(self) -> None:
+        for i in range(self.world_size):
+            self.broadcast_obj(None, src=i)
+
+
+def system_store(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None]
+                 ) -> Results:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(cfg["host"], cfg["aux_port"], n, rank == 0,
+                          timeout=timedelta(seconds=300))
+    g = _StoreGroup(store, rank, n)
+
+    def gather(obj: Any) -> Any:
+        if rank == 0:
+            return [obj] + [g.recv_obj(s) for s in range(1, n)]
+        g.send_obj(obj, 0)
+        return None
+
+    def scatter(obj: Any) -> Any:
+        if rank == 0:
+            for d in range(1, n):
+                g.send_obj(obj, d)
+            return obj
+        return g.recv_obj(0)
+
+    def all_to_all(obj: Any) -> Any:
+        for d in range(n):
+            if d != rank:
+                g.send_obj(obj, d)
+        return [obj if s == rank else g.recv_obj(s) for s in range(n)]
+
+    def send_recv(obj: Any) -> Any:
+        if n == 1:
+            return None
+        if rank == 0:
+            g.send_obj(obj, 1)
+            return g.recv_obj(1)
+        if rank == 1:
+            g.send_obj(g.recv_obj(0), 0)
+        return None
+
+    calls = {
+        "barrier": lambda obj: g.barrier(),
+        "all_reduce": lambda obj: _reduce_sum(g.all_gather_obj(obj)),
+        "broadcast": lambda obj: g.broadcast_obj(obj, src=0),
+        "all_gather": g.all_gather_obj,
+        "gather": gather, "scatter": scatter, "all_to_all": all_to_all, "send_recv": send_recv,
+    }
+    plan = op_sizes(cfg["ops"], cfg["sizes"])
+    return _measure_sync(calls, g.barrier, plan, rank, cfg["iters"], cfg["warmup"], progress)
+
+
+# ------------------------------------------------------------------------------ star
+
+
+def system_star(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None]
+                ) -> Results:
+    """Megatron's original AsyncZMQCommunicator design, for all_reduce only."""
+    import numpy as np
+    import zmq
+
+    ctx = zmq.Context()
+    host, base = cfg["host"], cfg["aux_port"]
+    if rank == 0:
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(f"tcp://{host}:{base}")
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(f"tcp://{host}:{base + 1}")
+    else:
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://{host}:{base}")
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://{host}:{base + 1}")
+    # the slow-joiner handshake the original lacks: the leader publishes until all answered
+    if rank == 0:
+        joined: set[int] = set()
+        while len(joined) < n - 1:
+            pub.send(b"hello")
+            if pull.poll(50):
+                joined.add(int(pull.recv()))
+        pub.send(b"go")
+    else:
+        while True:
+            if sub.poll(1000) and sub.recv() == b"hello":
+                push.send(str(rank).encode())
+                break
+        while sub.recv() != b"go":
+            pass
+
+    def all_reduce(obj: Any) -> Any:
+        vals = np.array(obj, dtype=np.int64) if isinstance(obj, tuple) else obj
+        if rank == 0:
+            acc = vals.copy()
+            for _ in range(n - 1):
+                acc = acc + np.frombuffer(pull.recv(), dtype=np.int64)
+            pub.send(acc.tobytes())
+            return acc
+        push.send(vals.tobytes())
+        return np.frombuffer(sub.recv(), dtype=np.int64)
+
+    def sync() -> None:
+        all_reduce((0, 0))
+
+    plan = [(op, s) for op, s in op_sizes(cfg["ops"], cfg["sizes"]) if op == "all_reduce"]
+    try:
+        return _measure_sync({"all_reduce": all_reduce}, sync, plan, rank, cfg["iters"],
+                             cfg["warmup"], progress)
+    finally:
+        ctx.destroy(linger=0)
+
+
+# ------------------------------------------------------------------------------- mpi
+
+
+def mpiexec() -> str | None:
+    """MPICH's mpiexec next to this Python (the ``mpich`` wheel), or on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(here):
+        return here
+    return shutil.which("mpiexec")
+
+
+def mpi_missing() -> str | None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install 'ctrlcomm[mpi]')"
+    if mpiexec() is None:
+        return "no mpiexec found (pip install mpich)"
+    return None
+
+
+def run_mpi(n: int, cfg: dict[str, Any], timeout: float = 900) -> list[Results]:
+    """Run the ops under ``mpiexec -n N`` (MPICH) and collect each rank's figures."""
+    exe = mpiexec()
+    assert exe is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path = os.path.join(tmp, "cfg.json")
+        with open(cfg_path, "w") as f:
+            json.dump({k: cfg[k] for k in ("ops", "sizes", "iters", "warmup")}, f)
+        cmd = [exe, "-n", str(n), sys.executable, "-m", "ctrlcomm._bench_mpi", cfg_path, tmp]
+        env = dict(os.environ, MPIR_CVAR_CH4_NETMOD="", HYDRA_LAUNCHER="fork")
+        subprocess.run(cmd, check=True, timeout=timeout, env=env, stdout=subprocess.DEVNULL)
+        out = []
+        for r in range(n):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                raw = json.load(f)
+            out.append({(op, int(size)): v for op, size, v in raw})
+        return out
+
+
+SYSTEMS: dict[str, Callable[..., Results]] = {
+    "gloo": system_gloo,
+    "store": system_store,
+    "star": system_star,
+}
+
+
+def missing(system: str) -> str | None:
+    """Why ``system`` cannot run here (None if it can)."""
+    if system in ("gloo", "store"):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return "torch is not installed (pip install 'ctrlcomm[torch]')"
+    if system == "star":
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            return "numpy is not installed"
+    if system == "mpi":
+        return mpi_missing()
+    return None
