@@ -53,10 +53,7 @@ def system_gloo(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str,
                             rank=rank, world_size=n)
 
     def all_reduce(obj: Any) -> Any:
-        if isinstance(obj, tuple):
-            t = torch.tensor(obj, dtype=torch.int64)
-        else:
-            t = torch.from_numpy(obj)
+        t = torch.tensor(obj, dtype=torch.int64) if isinstance(obj, tuple) else torch.from_numpy(obj)
         dist.all_reduce(t)
         return t
 
@@ -173,7 +170,7 @@ def system_store(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(cfg["host"], cfg["aux_port"], n, rank == 0,
+    store = dist.TCPStore(cfg["host"], cfg["aux_port"], n, rank == 0,  # type: ignore[attr-defined]
                           timeout=timedelta(seconds=300))
     g = _StoreGroup(store, rank, n)
 
@@ -214,7 +211,15 @@ def system_store(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str
         "gather": gather, "scatter": scatter, "all_to_all": all_to_all, "send_recv": send_recv,
     }
     plan = op_sizes(cfg["ops"], cfg["sizes"])
-    return _measure_sync(calls, g.barrier, plan, rank, cfg["iters"], cfg["warmup"], progress)
+    try:
+        return _measure_sync(calls, g.barrier, plan, rank, cfg["iters"], cfg["warmup"], progress)
+    finally:
+        # rank 0 serves the store: it stays until every rank has finished reading from it
+        store.add("bench/done", 1)
+        if rank == 0:
+            deadline = time.monotonic() + 60
+            while store.add("bench/done", 0) < n and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 # ------------------------------------------------------------------------------ star

@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 DEFAULT_OPS = ("barrier", "all_reduce", "broadcast", "all_gather", "gather", "scatter",
@@ -108,7 +108,7 @@ def _ctrlcomm_calls(g: Any, api: Any, rank: int, n: int) -> dict[str, Callable[[
     }
 
 
-def _measure_sync(calls: dict[str, Callable[[Any], Any]], sync: Callable[[], Any],
+def _measure_sync(calls: Mapping[str, Callable[[Any], Any]], sync: Callable[[], Any],
                   plan: list[tuple[str, int]], rank: int, iters: int, warmup: int,
                   progress: Callable[[str, int], None]) -> dict[tuple[str, int], dict[str, Any]]:
     out = {}
@@ -135,7 +135,7 @@ def _measure_sync(calls: dict[str, Callable[[Any], Any]], sync: Callable[[], Any
     return out
 
 
-async def _measure_async(calls: dict[str, Callable[[Any], Any]], sync: Callable[[], Any],
+async def _measure_async(calls: Mapping[str, Callable[[Any], Any]], sync: Callable[[], Any],
                          plan: list[tuple[str, int]], rank: int, iters: int, warmup: int,
                          progress: Callable[[str, int], None]
                          ) -> dict[tuple[str, int], dict[str, Any]]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from . import _ops, _plans
 from . import _wire as w
+from ._algo import choose
 from ._core import Core, run_async, run_sync
 from ._errors import (
     FormationError,
@@ -30,13 +31,6 @@ from ._errors import (
 )
 from ._store import StoreClient
 from ._transport import StoreServer, check_bind_host, local_address_for, make_endpoint
-
-# World sizes up to which the one-round (flat) variants are used: at these sizes one hop with
-# N-1 messages beats log2(N) hops of one message each (see `ctrlcomm bench`).
-FLAT_ALL_REDUCE_MAX = 4
-FLAT_ALL_GATHER_MAX = 4
-# Above this payload size, the flat variants' N-1 copies cost more than the extra hops.
-FLAT_MAX_BYTES = 64 * 1024
 
 CODECS = {"pickle": w.PICKLE, "msgpack": w.MSGPACK}
 
@@ -98,37 +92,34 @@ def _per_rank(core: Core, objs: Any, op: str) -> list[Any]:
     return list(objs)
 
 
-def _flat_ok(obj: Any) -> bool:
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return memoryview(obj).nbytes <= FLAT_MAX_BYTES
-    nbytes = getattr(obj, "nbytes", None)
-    return not (isinstance(nbytes, int) and nbytes > FLAT_MAX_BYTES)
-
-
 def _spec_barrier(core: Core) -> _Call:
-    return _Call("barrier", _plans.barrier, w.OP_CODE["barrier"])
+    return _Call("barrier", choose("barrier", core.size), w.OP_CODE["barrier"])
 
 
 def _spec_broadcast(core: Core, obj: Any, src: int) -> _Call:
     root = _rank_arg(core, src, "src", "broadcast")
-    return _Call("broadcast", lambda c: _plans.broadcast(c, obj, root), w.OP_CODE["broadcast"], root)
+    # only the root knows the payload; every rank must pick the same plan, so the size
+    # test cannot depend on it: the small-world variant is flat whatever the size
+    plan = choose("broadcast", core.size)
+    return _Call("broadcast", lambda c: plan(c, obj, root), w.OP_CODE["broadcast"], root)
 
 
 def _spec_gather(core: Core, obj: Any, dst: int) -> _Call:
     root = _rank_arg(core, dst, "dst", "gather")
-    return _Call("gather", lambda c: _plans.gather(c, obj, root), w.OP_CODE["gather"], root)
+    plan = choose("gather", core.size)
+    return _Call("gather", lambda c: plan(c, obj, root), w.OP_CODE["gather"], root)
 
 
 def _spec_all_gather(core: Core, obj: Any) -> _Call:
-    flat = core.size <= FLAT_ALL_GATHER_MAX and _flat_ok(obj)
-    plan = _plans.all_gather_flat if flat else _plans.all_gather_bruck
+    plan = choose("all_gather", core.size)
     return _Call("all_gather", lambda c: plan(c, obj), w.OP_CODE["all_gather"])
 
 
 def _spec_scatter(core: Core, objs: Any, src: int) -> _Call:
     root = _rank_arg(core, src, "src", "scatter")
     mine = _per_rank(core, objs, "scatter") if core.rank == root else None
-    return _Call("scatter", lambda c: _plans.scatter(c, mine, root), w.OP_CODE["scatter"], root)
+    plan = choose("scatter", core.size)
+    return _Call("scatter", lambda c: plan(c, mine, root), w.OP_CODE["scatter"], root)
 
 
 def _reduction(core: Core, name: str, obj: Any, op: Any) -> tuple[Callable[[Any, Any], Any], int]:
@@ -152,13 +143,13 @@ def _spec_reduce(core: Core, obj: Any, op: Any, dst: int) -> _Call:
     def finish(r: Any) -> Any:
         return _raise_failed("reduce", core, r) if core.rank == root else None
 
-    return _Call("reduce", lambda c: _plans.reduce(c, obj, combine, root), code, root, finish)
+    plan = choose("reduce", core.size)
+    return _Call("reduce", lambda c: plan(c, obj, combine, root), code, root, finish)
 
 
 def _spec_all_reduce(core: Core, obj: Any, op: Any) -> _Call:
     combine, code = _reduction(core, "all_reduce", obj, op)
-    flat = core.size <= FLAT_ALL_REDUCE_MAX and _flat_ok(obj)
-    plan = _plans.all_reduce_flat if flat else _plans.all_reduce_doubling
+    plan = choose("all_reduce", core.size)
     return _Call("all_reduce", lambda c: plan(c, obj, combine), code,
                  finish=partial(_raise_failed, "all_reduce", core))
 

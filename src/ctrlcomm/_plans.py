@@ -18,6 +18,8 @@ Every algorithm is correct for any world size >= 1:
   results are bitwise identical on all ranks.
 - all_gather: Bruck/dissemination, ceil(log2 N) rounds, or flat for small worlds.
 - all_to_all: one round of direct sends (each rank has N-1 distinct payloads to deliver).
+- one- and two-hop variants (star, flat) for small worlds: see the end of this module; which
+  algorithm runs is chosen in :mod:`ctrlcomm._algo`.
 """
 
 from __future__ import annotations
@@ -226,3 +228,87 @@ def all_to_all(ctx: Ctx, objs: Sequence[Any]) -> Plan:
     got = yield Step(0, sends=tuple((p, objs[p]) for p in peers), recvs=peers)
     got[r] = objs[r]
     return [got[i] for i in range(n)]
+
+
+# ------------------------------------------------------------------ one- and two-hop variants
+#
+# Depth 1 or 2 instead of log2(N): every non-root rank is woken once per call. They win where
+# waking a process is what costs (small worlds, more ranks than cores); the leader handles
+# N-1 messages, so above a measured world size the log-depth algorithms take over.
+
+
+def barrier_star(ctx: Ctx) -> Plan:
+    yield from all_reduce_star(ctx, None, lambda a, b: None)
+    return None
+
+
+def all_reduce_star(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> Plan:
+    """Everyone sends to rank 0, which combines in rank order and sends the result back."""
+    n, r = ctx.size, ctx.rank
+    if n == 1:
+        return obj
+    if r == 0:
+        got = yield Step(0, recvs=tuple(range(1, n)))
+        acc = obj
+        for p in range(1, n):
+            acc = combine(acc, got[p])
+        yield Step(1, sends=tuple((p, acc) for p in range(1, n)))
+        return acc
+    yield Step(0, sends=((0, obj),))
+    got = yield Step(1, recvs=(0,))
+    return got[0]
+
+
+def all_gather_star(ctx: Ctx, obj: Any) -> Plan:
+    n, r = ctx.size, ctx.rank
+    if n == 1:
+        return [obj]
+    if r == 0:
+        got = yield Step(0, recvs=tuple(range(1, n)))
+        got[0] = obj
+        out = [got[i] for i in range(n)]
+        yield Step(1, sends=tuple((p, out) for p in range(1, n)))
+        return out
+    yield Step(0, sends=((0, obj),))
+    got = yield Step(1, recvs=(0,))
+    return got[0]
+
+
+def broadcast_flat(ctx: Ctx, obj: Any, root: int) -> Plan:
+    if ctx.rank == root:
+        yield Step(0, sends=tuple((p, obj) for p in range(ctx.size) if p != root))
+        return obj
+    got = yield Step(0, recvs=(root,))
+    return got[root]
+
+
+def gather_flat(ctx: Ctx, obj: Any, root: int) -> Plan:
+    if ctx.rank != root:
+        yield Step(0, sends=((root, obj),))
+        return None
+    others = tuple(p for p in range(ctx.size) if p != root)
+    got = (yield Step(0, recvs=others)) if others else {}
+    got[root] = obj
+    return [got[i] for i in range(ctx.size)]
+
+
+def scatter_flat(ctx: Ctx, objs: Sequence[Any] | None, root: int) -> Plan:
+    if ctx.rank == root:
+        assert objs is not None
+        yield Step(0, sends=tuple((p, objs[p]) for p in range(ctx.size) if p != root))
+        return objs[root]
+    got = yield Step(0, recvs=(root,))
+    return got[root]
+
+
+def reduce_flat(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: int) -> Plan:
+    if ctx.rank != root:
+        yield Step(0, sends=((root, obj),))
+        return None
+    others = tuple(p for p in range(ctx.size) if p != root)
+    got = (yield Step(0, recvs=others)) if others else {}
+    got[root] = obj
+    acc = got[0]
+    for p in range(1, ctx.size):
+        acc = combine(acc, got[p])
+    return acc

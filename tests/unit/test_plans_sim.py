@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ctrlcomm import _ops, _plans
+from ctrlcomm import _algo, _ops, _plans
 from ctrlcomm.testing import DeadlockError, simulate
 
 sizes = st.integers(min_value=1, max_value=33)
@@ -121,3 +121,45 @@ def test_messages_and_hops_grow_logarithmically(name, make):
         bound = math.ceil(math.log2(n)) + 2 if n > 1 else 0
         assert max(res.sends) <= bound, (name, n, res.sends)
         assert max(res.steps) <= bound, (name, n, res.steps)
+
+
+@pytest.mark.parametrize("op", sorted(_algo.VARIANTS))
+@given(n=sizes, seed=seeds, data=st.data())
+def test_every_variant_of_every_collective(op, n, seed, data):
+    root = data.draw(st.integers(0, n - 1))
+    combine = _ops.safe(_ops.resolve("sum", "t", 0))
+    vals = values(n)
+    for name, plan in _algo.VARIANTS[op].items():
+        if op == "barrier":
+            make, want = (lambda c, p=plan: p(c)), [None] * n
+        elif op == "broadcast":
+            make, want = (lambda c, p=plan: p(c, ("b", c.rank), root)), [("b", root)] * n
+        elif op == "gather":
+            make = lambda c, p=plan: p(c, c.rank, root)  # noqa: E731
+            want = [list(range(n)) if r == root else None for r in range(n)]
+        elif op == "scatter":
+            make = lambda c, p=plan: p(c, list(range(100, 100 + n)) if c.rank == root else None, root)  # noqa: E731
+            want = list(range(100, 100 + n))
+        elif op == "reduce":
+            make = lambda c, p=plan: p(c, vals[c.rank], combine, root)  # noqa: E731
+            want = [sum(vals) if r == root else None for r in range(n)]
+        elif op == "all_reduce":
+            make, want = (lambda c, p=plan: p(c, vals[c.rank], combine)), [sum(vals)] * n
+        else:
+            make, want = (lambda c, p=plan: p(c, c.rank)), [list(range(n))] * n
+        assert simulate(make, n, seed=seed).results == want, (op, name, n)
+
+
+def test_chosen_algorithms_grow_logarithmically_beyond_small_worlds():
+    for op in ("barrier", "broadcast", "all_reduce"):
+        for n in (2, 8, 9, 33, 100):
+            plan = _algo.choose(op, n)
+            combine = _ops.safe(_ops.resolve("sum", "t", 0))
+            if op == "barrier":
+                res = simulate(plan, n)
+            elif op == "broadcast":
+                res = simulate(lambda c, p=plan: p(c, 1, 0), n)
+            else:
+                res = simulate(lambda c, p=plan: p(c, 1, combine), n)
+            bound = max(n - 1, 2) if n <= _algo.SMALL_WORLD else math.ceil(math.log2(n)) + 2
+            assert max(res.sends) <= bound and max(res.steps) <= bound, (op, n, res.sends)
