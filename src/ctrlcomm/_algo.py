@@ -50,8 +50,9 @@ def choose(op: str, n: int) -> Callable[..., _plans.Plan]:
     forced = OVERRIDES.get(op)
     if forced in variants:
         return variants[forced]
-    if n <= 2 and op in ("all_reduce", "all_gather"):
-        return variants["flat"]  # one exchange: a single hop each way
+    if n <= 2 and op in ("barrier", "all_reduce", "all_gather"):
+        # one exchange, a single hop each way
+        return variants["dissemination" if op == "barrier" else "flat"]
     if n <= SMALL_WORLD:
         return variants.get("star") or variants["flat"]
     return variants[{"barrier": "dissemination", "all_reduce": "doubling",
