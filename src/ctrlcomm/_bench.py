@@ -218,6 +218,9 @@ def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, float]
             "median_us": statistics.median(slowest) * 1e6,
             "p99_us": p99 * 1e6,
             "cpu_us": statistics.fmean(r[key]["cpu"] for r in per_rank) * 1e6,
+            # CPU over wall time of the same calls, per rank, averaged: 1.0 would be spinning
+            "cpu_frac": statistics.fmean(r[key]["cpu"] * len(r[key]["times"]) / sum(r[key]["times"])
+                                         for r in per_rank),
         }
     return out
 

@@ -10,9 +10,17 @@ from collections.abc import Sequence
 
 
 def _store(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
     from ._transport import StoreServer
 
-    srv = StoreServer(args.host, args.port)
+    key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
+    if args.host in ("0.0.0.0", "::") and not key:
+        logging.getLogger("ctrlcomm").warning(
+            "the store binds every interface without CTRLCOMM_AUTH_KEY: anyone who reaches "
+            "this host can read and write it")
+    srv = StoreServer(args.host, args.port, auth_key=key)
     print(f"ctrlcomm store serving on {args.host}:{srv.port}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -44,7 +44,7 @@ from ._errors import (
     PeerLostError,
     WireError,
 )
-from ._transport import TcpEndpoint, ZmqEndpoint
+from ._transport import Heartbeat, TcpEndpoint, ZmqEndpoint
 
 # Seconds before a deadline at which a rank asks the peers it waits for what they are doing,
 # so that the timeout error can say it (capped at a tenth of the timeout).
@@ -79,7 +79,9 @@ def describe(op: int, root: int) -> str:
 class Core:
     def __init__(self, *, name: str, rank: int, size: int, group_id: int,
                  endpoint: TcpEndpoint | ZmqEndpoint,
-                 codec: int, key: bytes | None, timeout: float) -> None:
+                 codec: int, key: bytes | None, timeout: float,
+                 heartbeat: Heartbeat | None = None,
+                 liveness_timeout: float | None = None) -> None:
         self.name, self.rank, self.size = name, rank, size
         self.group_id = group_id
         self.ep = endpoint
@@ -92,6 +94,8 @@ class Core:
         self.held: Counter[int] = Counter()
         self.paused: set[int] = set()
         self.p2p: dict[tuple[int, int], deque[w.Message]] = {}
+        self.p2p_in: dict[int, int] = {}  # next point-to-point number expected per sender
+        self.p2p_out: dict[int, int] = {}  # next number to send per destination
         self.status: dict[int, str] = {}
         self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
         self.suspects: dict[int, tuple[float, str]] = {}  # peer -> (grace ends, why)
@@ -107,6 +111,8 @@ class Core:
         self._lock = threading.Lock()
         self._owner = ""
         self.ctx = _plans.Ctx(rank, size)
+        self.hb = heartbeat
+        self.liveness_timeout = liveness_timeout
         endpoint.on_lost = self._lost
 
     def _lost(self, rank: int, why: str, certain: bool) -> None:
@@ -120,13 +126,23 @@ class Core:
     def _check_lost(self, missing: list[int], now: float) -> tuple[list[int], float]:
         """Ranks among ``missing`` known gone, and when the next suspect's grace ends."""
         nxt = float("inf")
+        hb, limit = self.hb, self.liveness_timeout
         for s in missing:
-            if s in self.suspects and s not in self.gone:
+            if s in self.gone:
+                continue
+            if s in self.suspects:
                 until, text = self.suspects[s]
                 if now >= until:
                     self.gone[s] = text
+                    continue
+                nxt = min(nxt, until)
+            if hb is not None and limit is not None:
+                silent = hb.silent_for(s, now)
+                if silent > limit:
+                    self.gone[s] = (f"stopped answering heartbeats {silent:.1f} s ago (its "
+                                    "process is stopped, hung, or cut off from the network)")
                 else:
-                    nxt = min(nxt, until)
+                    nxt = min(nxt, now + limit - silent + 0.01)
         return [s for s in missing if s in self.gone], nxt
 
     # ------------------------------------------------------------------------ receiving
@@ -166,6 +182,12 @@ class Core:
             if a is not None and m.seq == a[1] and (m.op, m.root) != (a[2], a[3]):
                 self._set_mismatch(m)
         elif k == w.P2P:
+            # each sender numbers its point-to-point messages to this rank 1, 2, 3...: an
+            # old number is a replay (it would pass the MAC: the frame is genuine)
+            if m.seq < self.p2p_in.get(m.src, 1):
+                self.dropped["replayed"] += 1
+                return m.src
+            self.p2p_in[m.src] = m.seq + 1
             self.p2p.setdefault((m.src, m.round), deque()).append(m)
         elif k == w.STATUS_REQ:
             self._send_raw(m.src, w.STATUS_REP, self.describe_state().encode())
@@ -396,9 +418,11 @@ class Core:
         t = self.timeout if timeout is None else float(timeout)
         try:
             payload, bufs = self._encode(obj)
-            msg = w.Message(w.P2P, self.rank, self.group_id, 0, tag, 0, w.NO_ROOT, self.codec,
+            n = self.p2p_out.get(dst, 1)
+            msg = w.Message(w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT, self.codec,
                             payload, bufs)
             self.ep.send(dst, w.encode(msg, self.key))
+            self.p2p_out[dst] = n + 1
             self.sent += 1
             yield from self._backpressure([dst], time.monotonic() + t, t,
                                           f"send(dst={dst}, tag={tag})", None)
@@ -455,6 +479,8 @@ class Core:
             if p != self.rank and p not in self.gone:
                 self._send_raw(p, w.BYE, b"")
         self.ep.close()
+        if self.hb is not None:
+            self.hb.close()
 
     def abort(self, reason: str) -> None:
         for p in range(self.size):

@@ -8,6 +8,7 @@ asyncio driver. Both views share one :class:`ctrlcomm._core.Core`, hence one seq
 from __future__ import annotations
 
 import hashlib
+import logging
 import operator
 import os
 import threading
@@ -22,6 +23,7 @@ from . import _wire as w
 from ._algo import choose
 from ._core import Core, run_async, run_sync
 from ._errors import (
+    CodecError,
     FormationError,
     FormationTimeoutError,
     InvalidArgumentError,
@@ -30,9 +32,16 @@ from ._errors import (
     StoreTimeoutError,
 )
 from ._store import StoreClient
-from ._transport import StoreServer, check_bind_host, local_address_for, make_endpoint
+from ._transport import (
+    Heartbeat,
+    StoreServer,
+    check_bind_host,
+    local_address_for,
+    make_endpoint,
+)
 
 CODECS = {"pickle": w.PICKLE, "msgpack": w.MSGPACK}
+log = logging.getLogger("ctrlcomm")
 
 
 # ------------------------------------------------------------------------- call specs
@@ -92,12 +101,24 @@ def _per_rank(core: Core, objs: Any, op: str) -> list[Any]:
     return list(objs)
 
 
+def _encodable(core: Core, objs: Sequence[Any], op: str) -> None:
+    """With the data-only codec, reject what it cannot encode before anything is sent."""
+    if core.codec == w.MSGPACK:
+        for obj in objs:
+            try:
+                w.dumps(obj, w.MSGPACK)
+            except CodecError as e:
+                raise CodecError(f"{op} on rank {core.rank}: {e}") from None
+
+
 def _spec_barrier(core: Core) -> _Call:
     return _Call("barrier", choose("barrier", core.size), w.OP_CODE["barrier"])
 
 
 def _spec_broadcast(core: Core, obj: Any, src: int) -> _Call:
     root = _rank_arg(core, src, "src", "broadcast")
+    if core.rank == root:
+        _encodable(core, [obj], "broadcast")
     # only the root knows the payload; every rank must pick the same plan, so the size
     # test cannot depend on it: the small-world variant is flat whatever the size
     plan = choose("broadcast", core.size)
@@ -106,11 +127,13 @@ def _spec_broadcast(core: Core, obj: Any, src: int) -> _Call:
 
 def _spec_gather(core: Core, obj: Any, dst: int) -> _Call:
     root = _rank_arg(core, dst, "dst", "gather")
+    _encodable(core, [obj], "gather")
     plan = choose("gather", core.size)
     return _Call("gather", lambda c: plan(c, obj, root), w.OP_CODE["gather"], root)
 
 
 def _spec_all_gather(core: Core, obj: Any) -> _Call:
+    _encodable(core, [obj], "all_gather")
     plan = choose("all_gather", core.size)
     return _Call("all_gather", lambda c: plan(c, obj), w.OP_CODE["all_gather"])
 
@@ -118,6 +141,7 @@ def _spec_all_gather(core: Core, obj: Any) -> _Call:
 def _spec_scatter(core: Core, objs: Any, src: int) -> _Call:
     root = _rank_arg(core, src, "src", "scatter")
     mine = _per_rank(core, objs, "scatter") if core.rank == root else None
+    _encodable(core, mine or [], "scatter")
     plan = choose("scatter", core.size)
     return _Call("scatter", lambda c: plan(c, mine, root), w.OP_CODE["scatter"], root)
 
@@ -125,6 +149,7 @@ def _spec_scatter(core: Core, objs: Any, src: int) -> _Call:
 def _reduction(core: Core, name: str, obj: Any, op: Any) -> tuple[Callable[[Any, Any], Any], int]:
     combine = _ops.resolve(op, name, core.rank)
     _ops.check_operand(op, obj, name, core.rank)
+    _encodable(core, [obj], name)
     red = len(_ops.NAMED_OPS) + 1 if callable(op) else _ops.NAMED_OPS.index(op) + 1
     return _ops.safe(combine), w.OP_CODE[name] | (red << 4)
 
@@ -156,6 +181,7 @@ def _spec_all_reduce(core: Core, obj: Any, op: Any) -> _Call:
 
 def _spec_all_to_all(core: Core, objs: Any) -> _Call:
     mine = _per_rank(core, objs, "all_to_all")
+    _encodable(core, mine, "all_to_all")
     return _Call("all_to_all", lambda c: _plans.all_to_all(c, mine), w.OP_CODE["all_to_all"])
 
 
@@ -179,13 +205,13 @@ _servers: dict[tuple[str, int], list[Any]] = {}  # (host, port) -> [server, refc
 _servers_lock = threading.Lock()
 
 
-def _acquire_server(host: str, port: int) -> StoreServer:
+def _acquire_server(host: str, port: int, key: bytes | None = None) -> StoreServer:
     with _servers_lock:
         entry = _servers.get((host, port))
         if entry is not None and entry[0].pid == os.getpid():
             entry[1] += 1
             return entry[0]  # type: ignore[no-any-return]
-        srv = StoreServer(host, port)
+        srv = StoreServer(host, port, auth_key=key)
         srv.pid = os.getpid()  # type: ignore[attr-defined]
         _servers[(host, port)] = [srv, 1]
         return srv
@@ -290,6 +316,8 @@ class Group:
         auth_key: bytes | str | None = None,
         transport: str = "tcp",
         zmq_context: Any = None,
+        heartbeat_interval: float = 1.0,
+        liveness_timeout: float | None = 5.0,
     ) -> Group:
         """Form a group through the store at ``(host, port)``.
 
@@ -304,10 +332,17 @@ class Group:
             bind_host: the address to bind this rank's socket to (default: the interface
                 this machine uses to reach ``host``; ``"0.0.0.0"`` is an explicit opt-in).
             codec: ``"pickle"`` (default) or ``"msgpack"`` (data only, never unpickles).
-            auth_key: reserved for authenticated groups.
+            auth_key: a shared secret (default: ``CTRLCOMM_AUTH_KEY`` from the environment).
+                Every frame and store request then carries a MAC over header and payload,
+                checked before anything is decoded: frames from anyone without the key are
+                dropped and counted, never unpickled.
             transport: ``"tcp"`` (default: plain sockets, lowest latency) or ``"zmq"``
                 (ZeroMQ PUSH/PULL sockets).
             zmq_context: with ``transport="zmq"``, the ZeroMQ context to make sockets from.
+            heartbeat_interval: seconds between this rank's heartbeats to its peers.
+            liveness_timeout: a peer silent this long (stopped, hung, cut off) is declared
+                lost by the ranks waiting for it; ``None`` turns liveness checks off. A peer
+                that dies is noticed sooner, from its closed connection.
 
         Raises:
             InvalidArgumentError: bad rank, world size, name, timeout or codec.
@@ -331,24 +366,49 @@ class Group:
             raise InvalidArgumentError(f"port must be an int, got {port!r}") from None
         if not 0 < port < 65536:
             raise InvalidArgumentError(f"port must be in 1..65535, got {port}")
+        if auth_key is None:
+            auth_key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
         if host_store is None:
             host_store = rank == 0
         deadline = time.monotonic() + t
-        server = _acquire_server(host, port) if host_store else None
-        store = ep = None
+        if liveness_timeout is not None and not float(liveness_timeout) > 0:
+            raise InvalidArgumentError(f"liveness_timeout must be > 0 or None, got "
+                                       f"{liveness_timeout!r}")
+        if not float(heartbeat_interval) > 0:
+            raise InvalidArgumentError(f"heartbeat_interval must be > 0, got "
+                                       f"{heartbeat_interval!r}")
+        server = _acquire_server(host, port, key) if host_store else None
+        store = ep = hb = None
         try:
-            store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/")
+            store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/",
+                                auth_key=key)
             if bind_host is None:
                 bind_host = local_address_for(host, port)
             else:
                 check_bind_host(bind_host)
+                if bind_host in ("0.0.0.0", "::", "") and not key:
+                    log.warning("group %r binds every interface (%r) without an auth_key: "
+                                "anyone who reaches this host can send frames to it",
+                                name, bind_host)
             ep = make_endpoint(transport, bind_host, zmq_context=zmq_context)
-            nonce, peers = _rendezvous(store, ep.address, rank, world_size, name, deadline)
+            hb = Heartbeat(bind_host, 0, rank, key or None, float(heartbeat_interval))
+            nonce, table = _rendezvous(store, f"{ep.address} {hb.port}", rank, world_size,
+                                       name, deadline)
+            peers = {r: line.split(" ")[0] for r, line in table.items()}
             ep.set_peers(peers)
-            core = Core(name=name, rank=rank, size=world_size, group_id=_group_id(name, nonce),
-                        endpoint=ep, codec=CODECS[codec], key=key or None, timeout=t)
+            gid = _group_id(name, nonce)
+            hb.group_id = gid
+            hb.start({r: (_host_of(peers[r]), int(line.split(" ")[1]))
+                      for r, line in table.items() if r != rank})
+            core = Core(name=name, rank=rank, size=world_size, group_id=gid,
+                        endpoint=ep, codec=CODECS[codec], key=key or None, timeout=t,
+                        heartbeat=hb,
+                        liveness_timeout=None if liveness_timeout is None
+                        else float(liveness_timeout))
         except BaseException:
+            if hb is not None:
+                hb.close()
             if ep is not None:
                 ep.close()
             if store is not None:
@@ -599,6 +659,10 @@ class AioGroup:
 # ---------------------------------------------------------------------------- rendezvous
 
 
+def _host_of(endpoint: str) -> str:
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
 def _missing_ranks(store: StoreClient, keys: list[str]) -> list[int]:
     """Ranks whose key is absent; [] when the store cannot tell (best effort, 2 s)."""
     try:
@@ -655,7 +719,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
                 + (f"ranks {missing} did not join" if missing else
                    "rank 0 published no address table (is rank 0 alive, and its store?)"),
                 missing=missing) from None
-        if len(lines) == size + 1 and lines[1 + rank] == address:
+        if len(lines) == size + 1 and lines[1 + rank] == address:  # else: a stale table
             break
         if time.monotonic() >= deadline:  # a stale table of an earlier group of that name
             raise FormationError(f"group {name!r}: the store holds a table that does not "

@@ -193,13 +193,17 @@ class StoreClient:
         port: the store's port.
         timeout: default deadline in seconds of every call.
         prefix: prepended to every key (namespacing).
+        auth_key: the store's key: requests and replies then carry a MAC (a store with a key
+            answers nothing else, and this client accepts no unauthenticated reply).
     """
 
-    def __init__(self, host: str, port: int, *, timeout: float = 300.0, prefix: str = "") -> None:
+    def __init__(self, host: str, port: int, *, timeout: float = 300.0, prefix: str = "",
+                 auth_key: bytes | str | None = None) -> None:
         from ._transport import StoreConnection
 
         self.host, self.port, self.timeout, self.prefix = host, int(port), float(timeout), prefix
-        self._conn = StoreConnection(host, int(port))
+        key = auth_key.encode() if isinstance(auth_key, str) else auth_key
+        self._conn = StoreConnection(host, int(port), key or None)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 

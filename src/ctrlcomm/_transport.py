@@ -28,10 +28,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import errno
+import hashlib
+import hmac
 import ipaddress
 import os
 import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -222,7 +225,8 @@ STORE_RESEND_S = 1.0
 class StoreConnection:
     """One client connection to a store."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, key: bytes | None = None) -> None:
+        self.key = key
         self.sock = context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # a fixed identity across reconnections lets the server recognise a resent request
@@ -236,7 +240,7 @@ class StoreConnection:
 
     def request(self, req: w.StoreRequest, deadline: float) -> w.StoreReply | None:
         """Send ``req`` and wait for its reply until ``deadline``; ``None`` on timeout."""
-        frames = [b"", *w.encode_store_request(req)]
+        frames = [b"", *w.encode_store_request(req, self.key)]
         self.sock.send_multipart(frames, zmq.DONTWAIT)
         resend_at = time.monotonic() + STORE_RESEND_S
         while True:
@@ -254,7 +258,7 @@ class StoreConnection:
                 continue
             frames = self.sock.recv_multipart()
             try:
-                rep = w.decode_store_reply(frames[1:])
+                rep = w.decode_store_reply(frames[1:], self.key)
             except WireError:
                 continue
             if rep.req_id == req.req_id:
@@ -276,11 +280,13 @@ class StoreServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 listen_socket: socket.socket | None = None) -> None:
+                 listen_socket: socket.socket | None = None,
+                 auth_key: bytes | str | None = None) -> None:
         from ._store import StoreState
 
         ctx = context()
         self.host = host
+        self.key = auth_key.encode() if isinstance(auth_key, str) else auth_key
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -344,14 +350,14 @@ class StoreServer:
                         peer = frames[0]
                         body = frames[2:] if frames[1] == b"" else frames[1:]
                         try:
-                            req = w.decode_store_request(body)
-                        except WireError:
+                            req = w.decode_store_request(body, self.key)
+                        except WireError:  # malformed or unauthenticated: never answered
                             self.dropped += 1
                             continue
                         replies += st.handle(peer, req, time.monotonic())
                 for peer, rep in replies:
                     try:
-                        self.sock.send_multipart([peer, b"", *w.encode_store_reply(rep)],
+                        self.sock.send_multipart([peer, b"", *w.encode_store_reply(rep, self.key)],
                                                  zmq.DONTWAIT)
                     except zmq.ZMQError:
                         st.forget_peer(peer)
@@ -773,3 +779,100 @@ def make_endpoint(transport: str, bind_host: str,
     if transport == "zmq":
         return ZmqEndpoint(bind_host, on_lost=on_lost, zmq_context=zmq_context)
     raise ValueError(f"unknown transport {transport!r}")
+
+
+# ------------------------------------------------------------------------- liveness
+
+
+class Heartbeat:
+    """Tells peers this process is alive, and notes when each peer last said so.
+
+    A daemon thread sends one small UDP datagram per peer every ``interval`` seconds and
+    records the peers' datagrams. It runs beside the caller's thread, so a rank that is busy
+    elsewhere, or idle, still answers; a process that is stopped (SIGSTOP), hung with the GIL
+    held, or cut off from the network falls silent. The cost is one datagram per peer per
+    interval and one wake-up per interval.
+
+    Datagram: group id (8 bytes), sender rank (4 bytes), then a MAC of those when the group
+    has a key (a forged heartbeat could otherwise hide a dead peer).
+    """
+
+    FMT = struct.Struct("<QI")
+
+    def __init__(self, bind_host: str, group_id: int, rank: int, key: bytes | None,
+                 interval: float) -> None:
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        self.sock.bind((bind_host, 0))
+        self.port = int(self.sock.getsockname()[1])
+        self.group_id, self.rank, self.key, self.interval = group_id, rank, key, interval
+        self.peers: dict[int, tuple[str, int]] = {}
+        self.last_seen: dict[int, float] = {}
+        self.dropped = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _mac(self, body: bytes) -> bytes:
+        assert self.key is not None
+        return hashlib.blake2b(b"hb" + body, key=self.key, digest_size=16).digest()
+
+    def start(self, peers: dict[int, tuple[str, int]]) -> None:
+        self.peers = dict(peers)
+        now = time.monotonic()
+        self.last_seen = dict.fromkeys(peers, now)  # grace: a new group counts as seen
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"ctrlcomm-heartbeat:{self.rank}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        body = self.FMT.pack(self.group_id, self.rank)
+        msg = body + (self._mac(body) if self.key else b"")
+        next_send = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_send:
+                for addr in self.peers.values():
+                    try:
+                        self.sock.sendto(msg, addr)
+                    except OSError:
+                        pass  # unreachable now; the peer's silence is what we report
+                next_send = now + self.interval
+            self.sock.settimeout(max(next_send - time.monotonic(), 0.001))
+            try:
+                data = self.sock.recv(64)
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            self._accept(data)
+
+    def _accept(self, data: bytes) -> None:
+        n = self.FMT.size
+        if len(data) != n + (16 if self.key else 0):
+            self.dropped += 1
+            return
+        gid, src = self.FMT.unpack_from(data)
+        if gid != self.group_id or src not in self.peers:
+            self.dropped += 1
+            return
+        if self.key and not hmac.compare_digest(self._mac(data[:n]), data[n:]):
+            self.dropped += 1
+            return
+        self.last_seen[src] = time.monotonic()
+
+    def silent_for(self, rank: int, now: float) -> float:
+        """Seconds since ``rank`` was last heard from (0 for unknown ranks)."""
+        seen = self.last_seen.get(rank)
+        return 0.0 if seen is None else now - seen
+
+    def close(self) -> None:
+        self._stop.set()
+        try:  # wake the thread out of recv at once
+            self.sock.sendto(b"", self.sock.getsockname()[:2])
+        except OSError:
+            pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        self.sock.close()

@@ -271,12 +271,31 @@ class StoreReply:
     values: tuple[bytes, ...] = ()
 
 
-def encode_store_request(req: StoreRequest) -> list[bytes]:
+def _store_mac(key: bytes, frames: Sequence[Any]) -> bytes:
+    return _mac(b"store\0" + key, frames)
+
+
+def _check_store_mac(frames: Sequence[Any], key: bytes | None) -> Sequence[Any]:
+    """Frames without their MAC; WireError if a keyed store's frame does not carry a good one."""
+    if not key:
+        return frames
+    if len(frames) < 2:
+        raise WireError("unauthenticated store frame")
+    want = _store_mac(key, frames[:-1])
+    got = frames[-1]
+    if memoryview(got).nbytes != MAC_SIZE or not hmac.compare_digest(want, bytes(got)):
+        raise WireError("bad store MAC")
+    return frames[:-1]
+
+
+def encode_store_request(req: StoreRequest, key: bytes | None = None) -> list[bytes]:
     head = STORE_REQ.pack(STORE_MAGIC, VERSION, req.op, req.req_id, req.timeout, len(req.keys))
-    return [head, *req.keys, *req.values]
+    frames = [head, *req.keys, *req.values]
+    return frames + [_store_mac(key, frames)] if key else frames
 
 
-def decode_store_request(frames: Sequence[Any]) -> StoreRequest:
+def decode_store_request(frames: Sequence[Any], key: bytes | None = None) -> StoreRequest:
+    frames = _check_store_mac(frames, key)
     if not frames:
         raise WireError("empty store request")
     try:
@@ -298,11 +317,13 @@ def decode_store_request(frames: Sequence[Any]) -> StoreRequest:
     return StoreRequest(op, req_id, timeout, keys, values)
 
 
-def encode_store_reply(rep: StoreReply) -> list[bytes]:
-    return [STORE_REP.pack(STORE_MAGIC, VERSION, rep.status, rep.req_id), *rep.values]
+def encode_store_reply(rep: StoreReply, key: bytes | None = None) -> list[bytes]:
+    frames = [STORE_REP.pack(STORE_MAGIC, VERSION, rep.status, rep.req_id), *rep.values]
+    return frames + [_store_mac(key, frames)] if key else frames
 
 
-def decode_store_reply(frames: Sequence[Any]) -> StoreReply:
+def decode_store_reply(frames: Sequence[Any], key: bytes | None = None) -> StoreReply:
+    frames = _check_store_mac(frames, key)
     if not frames:
         raise WireError("empty store reply")
     try:

@@ -160,6 +160,6 @@ def test_chosen_algorithms_grow_logarithmically_beyond_small_worlds():
             elif op == "broadcast":
                 res = simulate(lambda c, p=plan: p(c, 1, 0), n)
             else:
-                res = simulate(lambda c, p=plan: p(c, 1, combine), n)
+                res = simulate(lambda c, p=plan, f=combine: p(c, 1, f), n)
             bound = max(n - 1, 2) if n <= _algo.SMALL_WORLD else math.ceil(math.log2(n)) + 2
             assert max(res.sends) <= bound and max(res.steps) <= bound, (op, n, res.sends)

@@ -43,14 +43,15 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
               start_method: str = "spawn", may_die: tuple[int, ...] = (),
-              **kwargs: Any) -> list[Any]:
+              kill_after_results: bool = False, **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new processes.
 
     ``fn`` must be importable (a module-level function). Returns the results in rank order.
     Raises :class:`RankFailedError` with every failing rank's traceback if any rank raised,
     exited without a result, or was still running after ``timeout`` seconds (such ranks are
     killed, by pid: only processes this call started). Ranks in ``may_die`` may exit (or be
-    killed) without a result: theirs is then ``None``.
+    killed) without a result: theirs is then ``None``; with ``kill_after_results`` they are
+    killed (SIGKILL, which also ends a stopped process) once every other rank has reported.
     """
     ctx: Any = mp.get_context(start_method)
     q = ctx.Queue()
@@ -74,6 +75,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     f"a rank's result could not be received: {e!r} (results must be plain "
                     "picklable data: torch tensors, for one, cannot outlive their process "
                     "through a multiprocessing queue)", {}) from e
+            if kill_after_results and all(r in results for r in range(world_size)
+                                          if r not in may_die):
+                for r in may_die:
+                    if r not in results and procs[r].pid is not None:
+                        os.kill(procs[r].pid, signal.SIGKILL)
+                        results[r] = (True, None)
             for r, p in enumerate(procs):
                 if r not in results and p.exitcode is not None and q.empty():
                     # allow the queue's feeder thread a moment to deliver

@@ -1,0 +1,127 @@
+"""Lost peers: killed, stopped, aborting. Every survivor fails fast, naming the lost rank."""
+
+import os
+import signal
+import time
+
+import pytest
+
+import ctrlcomm
+from ctrlcomm.testing import run_ranks
+
+
+def _group(rank, size, port, **kw):
+    return ctrlcomm.Group.create("127.0.0.1", port, rank, size, host_store=False,
+                                 timeout=60, name=kw.pop("name", "live"), **kw)
+
+
+def killed_mid_collective(rank, size, port):
+    g = _group(rank, size, port)
+    g.barrier()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = time.monotonic()
+    try:
+        g.barrier()
+    except ctrlcomm.PeerLostError as e:
+        took = time.monotonic() - t
+        try:
+            g.all_reduce(1)
+        except ctrlcomm.GroupBrokenError as again:
+            later = str(again)
+        return e.ranks, str(e), took, later
+    return "no error"
+
+
+def test_killed_process_is_detected_fast(store):
+    res = run_ranks(killed_mid_collective, 4, store.port, may_die=(2,))
+    for r in (0, 1, 3):
+        ranks, msg, took, later = res[r]
+        assert 2 in ranks or "rank 2" in msg, msg
+        assert took < 3.0, f"rank {r} took {took:.2f} s to notice"
+        assert "broken" in later
+
+
+def stopped_mid_collective(rank, size, port):
+    g = _group(rank, size, port, liveness_timeout=2.0, heartbeat_interval=0.25)
+    g.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills it at the end
+        return None
+    t = time.monotonic()
+    try:
+        g.all_reduce(rank)
+    except ctrlcomm.PeerLostError as e:
+        return e.ranks, str(e), time.monotonic() - t
+    return "no error"
+
+
+def test_stopped_process_is_detected_by_heartbeats(store):
+    res = run_ranks(stopped_mid_collective, 3, store.port, may_die=(1,), timeout=30,
+                    kill_after_results=True)
+    for r in (0, 2):
+        ranks, msg, took = res[r]
+        assert ranks == [1] and "heartbeats" in msg, msg
+        assert 1.5 < took < 4.5, took
+
+
+def aborting(rank, size, port):
+    g = _group(rank, size, port)
+    g.barrier()
+    if rank == 1:
+        time.sleep(0.3)
+        g.abort("out of memory on the GPU")
+        try:
+            g.barrier()
+        except ctrlcomm.GroupBrokenError as e:
+            return "self", str(e)
+    t = time.monotonic()
+    try:
+        g.barrier()
+    except ctrlcomm.PeerLostError as exc:
+        err, took = exc, time.monotonic() - t
+    else:
+        return "no error"
+    # survivors form a new group on the same store, without restarting
+    survivors = [r for r in range(size) if r != 1]
+    with ctrlcomm.Group.create("127.0.0.1", port, survivors.index(rank), len(survivors),
+                               host_store=False, name="live-2", timeout=30) as g2:
+        again = g2.all_gather(rank)
+    return err.ranks, str(err), took, again
+
+
+def test_abort_tells_every_peer_and_survivors_reform(store):
+    res = run_ranks(aborting, 4, store.port)
+    assert res[1][0] == "self" and "aborted" in res[1][1]
+    for r in (0, 2, 3):
+        ranks, msg, took, again = res[r]
+        assert ranks == [1] and "out of memory on the GPU" in msg
+        assert took < 2.0
+        assert again == [0, 2, 3]
+
+
+def idle_peer_is_not_lost(rank, size, port):
+    g = _group(rank, size, port, liveness_timeout=1.0, heartbeat_interval=0.2)
+    if rank == 1:
+        time.sleep(3.0)  # idle (not in any call) for longer than the liveness timeout
+    return g.all_reduce(1)
+
+
+def test_an_idle_but_alive_peer_is_waited_for(store):
+    assert run_ranks(idle_peer_is_not_lost, 2, store.port) == [2, 2]
+
+
+@pytest.mark.parametrize("n", [2])
+def test_heartbeats_cost_no_busy_cpu(store, n):
+    res = run_ranks(_idle_cpu, n, store.port)
+    for cpu in res:
+        assert cpu < 0.2, f"{cpu:.3f} s of CPU in 2 s idle"
+
+
+def _idle_cpu(rank, size, port):
+    g = _group(rank, size, port, heartbeat_interval=0.1)
+    c = time.process_time()
+    time.sleep(2.0)
+    used = time.process_time() - c
+    g.close()
+    return used

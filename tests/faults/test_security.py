@@ -1,0 +1,206 @@
+"""Authentication, replay, the data-only codec, bind hygiene, garbage on every socket."""
+
+import gc
+import logging
+import os
+import random
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+import ctrlcomm
+from ctrlcomm import _wire as w
+from ctrlcomm.testing import free_port, run_group, run_ranks
+
+KEY = "s3cret-key-for-tests"
+
+
+def authed_group(g):
+    out = [g.all_reduce(g.rank + 1), g.broadcast("b", src=1)]
+    if g.rank == 1:
+        addr = g._core.ep.peers[0][len("tcp://"):]
+        host, port = addr.rsplit(":", 1)
+        gid = g._core.group_id
+        forged = w.encode(w.Message(w.P2P, 1, gid, 99, 0, 0, w.NO_ROOT, w.PICKLE,
+                                    b"cos\nsystem\n(S'echo pwned'\ntR."), key=b"wrong key")
+        unauth = w.encode(w.Message(w.P2P, 1, gid, 99, 0, 0, w.NO_ROOT, w.PICKLE,
+                                    b"\x80\x05K\x01."))
+        genuine = w.encode(w.Message(w.P2P, 1, gid, 1, 0, 0, w.NO_ROOT, w.PICKLE,
+                                     b"\x80\x05\x95\x06\x00\x00\x00\x00\x00\x00\x00\x8c\x02ok\x94."),
+                           key=KEY.encode())
+        with socket.create_connection((host, int(port))) as s:
+            for frames in (forged, unauth, genuine, genuine):  # the last one is a replay
+                s.sendall(w.stream_prefix(frames) + b"".join(frames))
+        time.sleep(0.3)
+    g.barrier()
+    if g.rank == 0:
+        out.append(g.recv(1))  # the genuine frame, once
+        try:
+            g.recv(1, timeout=0.5)
+        except ctrlcomm.CollectiveTimeoutError:
+            out.append("replay dropped")
+        out.append(g.stats()["dropped"])
+    return out
+
+
+def test_authenticated_group_drops_forged_unauthenticated_and_replayed_frames():
+    res = run_group(authed_group, 2, group_kwargs={"auth_key": KEY})
+    assert res[1] == [3, "b"]
+    r0 = res[0]
+    assert r0[:4] == [3, "b", "ok", "replay dropped"]
+    assert r0[4].get("malformed") == 2 and r0[4].get("replayed") == 1
+
+
+def env_key(rank, size, port):
+    os.environ["CTRLCOMM_AUTH_KEY"] = KEY
+    with ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=20) as g:
+        return g.all_gather(rank), g._core.key is not None
+
+
+def test_key_from_environment():
+    assert run_ranks(env_key, 2, free_port()) == [([0, 1], True)] * 2
+
+
+def test_store_with_key_ignores_clients_without_it():
+    with ctrlcomm.StoreServer("127.0.0.1", 0, auth_key=KEY) as srv:
+        good = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key=KEY, timeout=2)
+        good.set("k", "v")
+        assert good.get("k") == b"v"
+        bad = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=1)
+        with pytest.raises(ctrlcomm.StoreTimeoutError):
+            bad.get("k")
+        wrong = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key="other", timeout=1)
+        with pytest.raises(ctrlcomm.StoreTimeoutError):
+            wrong.set("k", "evil")
+        assert good.get("k") == b"v"
+        assert srv.dropped >= 2
+        for c in (good, bad, wrong):
+            c.close()
+
+
+def msgpack_group(g):
+    out = [g.all_gather({"rank": g.rank, "t": (1, 2)}), g.all_reduce((g.rank, 2), op="max")]
+    try:
+        g.broadcast(object(), src=g.rank)  # raised before anything is sent
+    except ctrlcomm.CodecError as e:
+        out.append(str(e))
+    out.append(g.all_reduce(1))  # the group still works
+    return out
+
+
+def test_data_only_codec():
+    for out in run_group(msgpack_group, 2, group_kwargs={"codec": "msgpack"}):
+        assert out[0] == [{"rank": 0, "t": (1, 2)}, {"rank": 1, "t": (1, 2)}]
+        assert out[1] == (1, 2)
+        assert "msgpack" in out[2] and "object" in out[2]
+        assert out[3] == 2
+
+
+def test_binding_every_interface_without_key_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="ctrlcomm"), \
+            ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, bind_host="0.0.0.0") as g:
+        assert g.all_reduce(1) == 1
+    assert any("every interface" in r.message for r in caplog.records)
+
+
+def test_default_bind_is_the_interface_to_the_store_not_every_interface():
+    with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1) as g:
+        assert g._core.ep.address.startswith("tcp://127.0.0.1:")
+
+
+def garbage_everywhere(g):
+    """Rank 1 throws garbage at rank 0's sockets while both keep computing."""
+    rng = random.Random(1234)
+    ep0 = g._core.ep.peers[0][len("tcp://"):]
+    host, port = ep0.rsplit(":", 1)
+    port = int(port)
+    stop = threading.Event()
+    sent = {"conns": 0}
+
+    def attack():
+        gid = g._core.group_id
+        good = w.encode(w.Message(w.COLL, 1, gid, 10**9, 0, 1, w.NO_ROOT, w.PICKLE, b"N."))
+        payloads = [
+            lambda: rng.randbytes(rng.randint(1, 4096)),
+            lambda: (w.stream_prefix(good) + b"".join(good))[: rng.randint(1, 60)],
+            lambda: w.STREAM_HEAD.pack(w.STREAM_MAGIC, 1) + struct.pack("<Q", 1 << 62),
+            lambda: w.STREAM_HEAD.pack(w.STREAM_MAGIC, 60000),
+            lambda: (lambda fr: w.stream_prefix(fr) + b"".join(fr))(
+                [bytes([*good[0][:2], 9, *good[0][3:]]), good[1]]),
+        ]
+        while not stop.is_set():
+            try:
+                with socket.create_connection((host, port), timeout=1) as s:
+                    sent["conns"] += 1
+                    s.sendall(rng.choice(payloads)())
+            except OSError:
+                pass
+        # a flood of idle connections
+        socks = []
+        for _ in range(300):
+            try:
+                socks.append(socket.create_connection((host, port), timeout=1))
+            except OSError:
+                break
+        time.sleep(0.3)
+        for s in socks:
+            s.close()
+
+    if g.rank == 1:
+        t = threading.Thread(target=attack)
+        t.start()
+    results = []
+    for i in range(300):
+        results.append(g.all_reduce((i, g.rank), op="sum"))
+    if g.rank == 1:
+        stop.set()
+        t.join()
+    g.barrier()
+    ok = all(r == (2 * i, 1) for i, r in enumerate(results))
+    gc.collect()
+    with open("/proc/self/status") as f:
+        rss = next(int(x.split()[1]) for x in f if x.startswith("VmRSS"))
+    return ok, g.stats()["dropped"], sent["conns"], rss, len(g._core.ep.conns)
+
+
+@pytest.mark.slow
+def test_garbage_on_every_socket_changes_nothing():
+    (ok0, dropped, _, rss, conns), (ok1, _, attacks, _, _) = run_group(garbage_everywhere, 2)
+    assert ok0 and ok1
+    assert attacks > 10
+    assert dropped.get("malformed_stream", 0) + dropped.get("malformed", 0) > 0
+    assert rss < 200_000  # KiB: bounded
+    assert conns < 20  # garbage connections were dropped, idle ones closed by their peer
+
+
+def cycles(rank, size, port, n):
+    import threading as th
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    with ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="warm") as g:
+        g.barrier()
+    base_fds, base_threads = fds(), th.active_count()
+    for i in range(n):
+        with ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="cycle",
+                                   timeout=30) as g:
+            g.all_reduce(i)
+    time.sleep(1.0)
+    return base_fds, fds(), base_threads, th.active_count()
+
+
+@pytest.mark.slow
+def test_no_leaks_after_1000_create_close_cycles():
+    (bf, af, bt, at), = run_ranks(cycles, 1, free_port(), 1000, timeout=300)
+    assert af - bf <= 2, f"file descriptors {bf} -> {af}"
+    assert at - bt <= 1, f"threads {bt} -> {at}"
+
+
+def test_no_leaks_with_peers():
+    res = run_ranks(cycles, 3, free_port(), 30, timeout=120)
+    for bf, af, bt, at in res:
+        assert af - bf <= 2 and at - bt <= 1, (bf, af, bt, at)

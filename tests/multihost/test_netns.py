@@ -1,0 +1,170 @@
+"""A group across three hosts: network namespaces on a bridge, made by this test (root).
+
+Each fault asserts which error each survivor raised and how long it took to notice.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.multihost,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                       reason="needs root and iproute2 to make network namespaces"),
+]
+
+PREFIX = f"cc{os.getpid() % 10000}"
+SW = f"{PREFIX}sw"
+HOSTS = [f"{PREFIX}h{i}" for i in (1, 2, 3)]
+ADDR = [f"10.213.{os.getpid() % 200}.{i}" for i in (1, 2, 3)]
+RANK = Path(__file__).with_name("netns_rank.py")
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def ns(host, *cmd, check=True):
+    return sh("ip", "netns", "exec", host, *cmd, check=check)
+
+
+@pytest.fixture(scope="module")
+def net():
+    sh("ip", "netns", "add", SW)
+    ns(SW, "ip", "link", "add", "br0", "type", "bridge")
+    ns(SW, "ip", "link", "set", "br0", "up")
+    for i, (h, a) in enumerate(zip(HOSTS, ADDR, strict=True), 1):
+        sh("ip", "netns", "add", h)
+        sh("ip", "link", "add", f"{PREFIX}v{i}", "type", "veth", "peer", "name", f"{PREFIX}p{i}")
+        sh("ip", "link", "set", f"{PREFIX}v{i}", "netns", h)
+        sh("ip", "link", "set", f"{PREFIX}p{i}", "netns", SW)
+        ns(h, "ip", "link", "set", f"{PREFIX}v{i}", "name", "eth0")
+        ns(h, "ip", "addr", "add", f"{a}/24", "dev", "eth0")
+        ns(h, "ip", "link", "set", "eth0", "up")
+        ns(h, "ip", "link", "set", "lo", "up")
+        ns(SW, "ip", "link", "set", f"{PREFIX}p{i}", "master", "br0")
+        ns(SW, "ip", "link", "set", f"{PREFIX}p{i}", "up")
+    yield
+    for h in [*HOSTS, SW]:
+        sh("ip", "netns", "del", h, check=False)
+
+
+class Cluster:
+    """A store on host 1 (its own process) and one rank per host."""
+
+    def __init__(self, iters, liveness=3.0, payload=0, port=29711):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.store = subprocess.Popen(
+            ["ip", "netns", "exec", HOSTS[0], sys.executable, "-m", "ctrlcomm", "store",
+             "--host", ADDR[0], "--port", str(port)], stdout=subprocess.PIPE, text=True,
+            env=env)
+        self.store.stdout.readline()
+        self.ranks = [subprocess.Popen(
+            ["ip", "netns", "exec", HOSTS[r], sys.executable, str(RANK), ADDR[0], str(port),
+             str(r), "3", str(iters), str(liveness), str(payload)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for r in range(3)]
+        self.formed = [json.loads(p.stdout.readline()) for p in self.ranks]
+
+    def results(self, timeout=60, skip=()):
+        out = {}
+        for r, p in enumerate(self.ranks):
+            if r in skip:
+                continue
+            line, err = p.communicate(timeout=timeout)
+            out[r] = json.loads(line.strip().splitlines()[-1]) if line.strip() else {"err": err}
+        return out
+
+    def close(self):
+        for p in [*self.ranks, self.store]:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def test_group_across_three_hosts(net):
+    c = Cluster(iters=50)
+    try:
+        res = c.results()
+        assert all(r["event"] == "ok" and r["done"] == 50 for r in res.values()), res
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop", "link_down"])
+def test_lost_rank_is_named_by_every_survivor(net, fault):
+    c = Cluster(iters=100000, liveness=3.0)
+    try:
+        time.sleep(1.0)
+        t = time.time()
+        if fault == "kill":
+            os.kill(c.ranks[2].pid, signal.SIGKILL)
+        elif fault == "stop":
+            os.kill(c.ranks[2].pid, signal.SIGSTOP)
+        else:
+            ns(SW, "ip", "link", "set", f"{PREFIX}p3", "down")
+        res = c.results(skip=(2,))
+        for r in (0, 1):
+            got = res[r]
+            assert got["event"] == "error" and got["type"] == "PeerLostError", got
+            assert got["ranks"] == [2] or "rank 2" in got["msg"], got
+            took = got["at"] - t
+            limit = 2.0 if fault == "kill" else 3.0 + 2.0
+            assert took < limit, f"{fault}: rank {r} noticed after {took:.2f} s"
+            print(f"{fault}: rank {r} raised {got['type']} after {took:.2f} s: {got['msg']}")
+    finally:
+        if fault == "link_down":
+            ns(SW, "ip", "link", "set", f"{PREFIX}p3", "up", check=False)
+        c.close()
+
+
+def test_store_host_killed_after_formation(net):
+    c = Cluster(iters=100)
+    try:
+        c.store.kill()
+        res = c.results()
+        assert all(r["event"] == "ok" and r["done"] == 100 for r in res.values()), res
+    finally:
+        c.close()
+
+
+def test_squeezed_link_is_slower_not_wrong(net):
+    ns(HOSTS[2], "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "2mbit",
+       "burst", "32kbit", "latency", "400ms")
+    try:
+        c = Cluster(iters=20, payload=64 * 1024)
+        try:
+            res = c.results(timeout=120)
+            assert all(r["event"] == "ok" and r["done"] == 20 for r in res.values()), res
+        finally:
+            c.close()
+    finally:
+        ns(HOSTS[2], "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (Debian's nftables)")
+def test_five_percent_packet_loss_is_slower_not_wrong(net):
+    for h in HOSTS:
+        ns(h, "nft", "add", "table", "inet", "ccloss")
+        ns(h, "nft", "add", "chain", "inet", "ccloss", "out",
+           "{ type filter hook output priority 0 ; }")
+        ns(h, "nft", "add", "rule", "inet", "ccloss", "out", "numgen", "random", "mod", "100",
+           "<", "5", "drop")
+    try:
+        c = Cluster(iters=200, liveness=10.0)
+        try:
+            res = c.results(timeout=120)
+            assert all(r["event"] == "ok" and r["done"] == 200 for r in res.values()), res
+        finally:
+            c.close()
+    finally:
+        for h in HOSTS:
+            ns(h, "nft", "delete", "table", "inet", "ccloss", check=False)
