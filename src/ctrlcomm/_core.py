@@ -56,6 +56,7 @@ SUSPECT_GRACE = 1.0
 # reads it again at HOLD_LOW; a sender with more than MAX_BACKLOG bytes queued for one peer
 # waits (within its deadline) before it queues more. Memory stays bounded however far a
 # broadcast root runs ahead of its receivers.
+LOST_PREFIX = "\x00lost:"  # an ABORT that reports lost ranks (not a user's abort)
 HOLD_HIGH = 256
 HOLD_LOW = 64
 MAX_BACKLOG = 4 * 1024 * 1024
@@ -165,12 +166,12 @@ class Core:
         if k == w.COLL:
             if m.seq < self.seq - (self.active is not None and self.active[1] >= 0):
                 self.dropped["stale"] += 1
-                return m.src
+                return None
             slot = self.box.setdefault(m.seq, {})
             key = (m.round, m.src)
             if key in slot:
                 self.dropped["duplicate"] += 1
-                return m.src
+                return None
             slot[key] = m
             self.held[m.src] += 1
             if self.held[m.src] >= HOLD_HIGH and m.src not in self.paused:
@@ -186,7 +187,7 @@ class Core:
             # old number is a replay (it would pass the MAC: the frame is genuine)
             if m.seq < self.p2p_in.get(m.src, 1):
                 self.dropped["replayed"] += 1
-                return m.src
+                return None
             self.p2p_in[m.src] = m.seq + 1
             self.p2p.setdefault((m.src, m.round), deque()).append(m)
         elif k == w.STATUS_REQ:
@@ -197,9 +198,18 @@ class Core:
             self.gone.setdefault(m.src, "closed the group")
         elif k == w.ABORT:
             reason = bytes(m.payload).decode(errors="replace")
-            self.gone[m.src] = f"aborted the group: {reason}"
-            self.brk(PeerLostError(f"group {self.name!r}: rank {m.src} aborted the group: {reason}",
-                                   ranks=[m.src]))
+            if reason.startswith(LOST_PREFIX):
+                # a peer lost ranks and tells everyone: name those ranks, not the messenger
+                head, _, text = reason[len(LOST_PREFIX):].partition("|")
+                lost = [int(x) for x in head.split(",") if x.strip().isdigit()]
+                for r in lost:
+                    self.gone.setdefault(r, f"is gone (reported by rank {m.src}: {text})")
+                self.brk(PeerLostError(f"group {self.name!r}: rank(s) {lost} lost (reported by "
+                                       f"rank {m.src}): {text}", ranks=lost))
+            else:
+                self.gone[m.src] = f"aborted the group: {reason}"
+                self.brk(PeerLostError(f"group {self.name!r}: rank {m.src} aborted the group: "
+                                       f"{reason}", ranks=[m.src]))
         return m.src
 
     def _set_mismatch(self, m: w.Message) -> None:
@@ -304,6 +314,10 @@ class Core:
                                       f"rank {self.rank}"))
             raise
         except BaseException as e:  # the ranks are out of step now
+            if isinstance(e, PeerLostError) and self.state == "open" and e.ranks \
+                    and not all(self.gone.get(r, "").startswith("is gone (reported") for r in e.ranks):
+                # tell the others which ranks are gone: they may be waiting on this rank
+                self._notify_lost(e)
             self.brk(e)
             raise
         finally:
@@ -481,6 +495,12 @@ class Core:
         self.ep.close()
         if self.hb is not None:
             self.hb.close()
+
+    def _notify_lost(self, e: PeerLostError) -> None:
+        text = f"{LOST_PREFIX}{','.join(map(str, e.ranks))}|{e}"
+        for p in range(self.size):
+            if p != self.rank and p not in self.gone:
+                self._send_raw(p, w.ABORT, text.encode())
 
     def abort(self, reason: str) -> None:
         for p in range(self.size):

@@ -210,6 +210,7 @@ def _acquire_server(host: str, port: int, key: bytes | None = None) -> StoreServ
         entry = _servers.get((host, port))
         if entry is not None and entry[0].pid == os.getpid():
             entry[1] += 1
+            _idle.pop((host, port), None)
             return entry[0]  # type: ignore[no-any-return]
         srv = StoreServer(host, port, auth_key=key)
         srv.pid = os.getpid()  # type: ignore[attr-defined]
@@ -224,6 +225,7 @@ STORE_KEEPALIVE_S = 5.0
 
 
 def _release_server(host: str, port: int) -> None:
+    global _reaper
     with _servers_lock:
         entry = _servers.get((host, port))
         if entry is None:
@@ -231,18 +233,35 @@ def _release_server(host: str, port: int) -> None:
         entry[1] -= 1
         if entry[1] > 0:
             return
-    timer = threading.Timer(STORE_KEEPALIVE_S, _close_idle_server, args=(host, port, entry[0]))
-    timer.daemon = True
-    timer.start()
+        _idle[(host, port)] = time.monotonic() + STORE_KEEPALIVE_S
+        if _reaper is None or not _reaper.is_alive():
+            # one thread closes idle stores, and exits when none is left
+            _reaper = threading.Thread(target=_reap, name="ctrlcomm-store-reaper", daemon=True)
+            _reaper.start()
 
 
-def _close_idle_server(host: str, port: int, server: StoreServer) -> None:
-    with _servers_lock:
-        entry = _servers.get((host, port))
-        if entry is None or entry[0] is not server or entry[1] > 0:
+_idle: dict[tuple[str, int], float] = {}  # embedded stores no group uses, and when to close
+_reaper: threading.Thread | None = None
+
+
+def _reap() -> None:
+    while True:
+        with _servers_lock:
+            now = time.monotonic()
+            due = [k for k, t in _idle.items() if t <= now]
+            closing = []
+            for k in due:
+                del _idle[k]
+                entry = _servers.get(k)
+                if entry is not None and entry[1] <= 0:
+                    del _servers[k]
+                    closing.append(entry[0])
+            nxt = min(_idle.values(), default=None)
+        for srv in closing:
+            srv.close()
+        if nxt is None:
             return
-        del _servers[(host, port)]
-    server.close()
+        time.sleep(max(nxt - time.monotonic(), 0.01))
 
 
 def _group_id(name: str, nonce: str) -> int:

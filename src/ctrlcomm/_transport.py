@@ -222,6 +222,13 @@ class ZmqEndpoint:
 STORE_RESEND_S = 1.0
 
 
+def _plain_reply(frames: Sequence[Any], req_id: int) -> bool:
+    try:
+        return w.decode_store_reply(frames).req_id == req_id
+    except WireError:
+        return False
+
+
 class StoreConnection:
     """One client connection to a store."""
 
@@ -260,6 +267,10 @@ class StoreConnection:
             try:
                 rep = w.decode_store_reply(frames[1:], self.key)
             except WireError:
+                if self.key and _plain_reply(frames[1:], req.req_id):
+                    raise StoreError(f"the store at {self.addr} answers without "
+                                     "authentication: it runs without this group's auth_key"
+                                     ) from None
                 continue
             if rep.req_id == req.req_id:
                 return rep
@@ -650,6 +661,12 @@ class TcpEndpoint:
                 n += 1
                 src = sink(frames)
                 if src is not None and c.rank is None:
+                    if any(o.inbound and o.rank == src for o in self.conns.values()):
+                        # each peer sends on one connection: a second one claiming the same
+                        # rank is a replay or an impostor, and its end must not mean a loss
+                        self._count("duplicate_source")
+                        self._drop_conn(c)
+                        return n
                     c.rank = src
             if c.decoder.error is not None:
                 self._count("malformed_stream")

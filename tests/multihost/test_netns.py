@@ -86,8 +86,11 @@ class Cluster:
     def close(self):
         for p in [*self.ranks, self.store]:
             if p.poll() is None:
-                p.kill()
-                p.wait(10)
+                p.kill()  # by pid: only processes this test started
+            p.wait(10)
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
 
 
 def test_group_across_three_hosts(net):
