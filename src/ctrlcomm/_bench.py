@@ -364,6 +364,8 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     systems = list(dict.fromkeys(r["system"] for r in rows))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {name: palette[i % len(palette)] for i, name in enumerate(systems)}
     ops = [o for o in DEFAULT_OPS if any(r["op"] == o for r in rows)]
     sizes = sorted({r["size"] for r in rows if r["size"]})
     small = min(sizes) if sizes else 0
@@ -381,7 +383,7 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
                          if r["system"] == sysname and r["op"] == op
                          and r["size"] in (0, small))
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=sysname)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=sysname, color=color[sysname])
         ax.set_title(f"{op} ({fmt_size(small) if op in SIZED_OPS else '-'}) vs world size")
         ax.set_xlabel("ranks")
         ax.set_ylabel("median latency (us)")
@@ -393,7 +395,7 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
             pts = sorted((r["size"], r["median_us"]) for r in rows
                          if r["system"] == sysname and r["op"] == op and r["world_size"] == n)
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=sysname)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=sysname, color=color[sysname])
         ax.set_title(f"{op} vs payload size (N={n})")
         ax.set_xlabel("bytes")
         ax.set_ylabel("median latency (us)")
@@ -401,9 +403,17 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
         ax.set_yscale("log")
     for ax in flat[panels:]:
         ax.axis("off")
-    flat[0].legend(fontsize=8)
-    fig.tight_layout()
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=color[name], marker="o", label=name) for name in systems]
+    fig.legend(handles=handles, loc="upper center", ncol=len(systems), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
+
+
+def read_json(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return list(json.load(f)["results"])
 
 
 def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:

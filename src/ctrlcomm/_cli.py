@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 
 def _store(args: argparse.Namespace) -> int:
@@ -43,7 +44,11 @@ def _bench(args: argparse.Namespace) -> int:
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
            "transport": args.transport}
     systems = ["ctrlcomm"] + (["ctrlcomm-aio"] if args.aio else [])
-    if args.rank is not None:
+    rows: list[dict[str, Any]] | None
+    if args.from_json:
+        rows = b.read_json(args.from_json)
+        systems = list(dict.fromkeys(r["system"] for r in rows))
+    elif args.rank is not None:
         if args.host is None or args.port is None or args.world_size is None:
             print("multi-host mode needs --host, --port, --rank and --world-size",
                   file=sys.stderr)
@@ -51,8 +56,6 @@ def _bench(args: argparse.Namespace) -> int:
         if args.against:
             print("--against runs only with local ranks (-n); ignoring it", file=sys.stderr)
         rows = b.run_multihost(args.host, args.port, args.rank, args.world_size, cfg)
-        if rows is None:
-            return 0
     else:
         from ._baselines import missing
 
@@ -70,6 +73,8 @@ def _bench(args: argparse.Namespace) -> int:
                 and missing("star") is None:
             systems.append("star")  # all_reduce against Megatron's original design too
         rows = b.run_local([int(x) for x in args.n.split(",")], systems, cfg)
+    if rows is None:  # a multi-host rank other than 0: rank 0 prints
+        return 0
     shown = [s for s in systems if any(r["system"] == s for r in rows)]
     print(b.table(rows, shown))
     if args.json:
@@ -107,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bp.add_argument("--against", help="compare with: gloo,mpi,store,star (star: all_reduce "
                                       "as Megatron's original; added with gloo)")
     bp.add_argument("--plot", help="write a PNG plot (needs matplotlib)")
+    bp.add_argument("--from-json", help="show the table (and --plot) of a saved run; run nothing")
     bp.add_argument("--transport", default="tcp", choices=["tcp", "zmq"])
     bp.add_argument("--json", help="write results to this file")
     bp.add_argument("--host")

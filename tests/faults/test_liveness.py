@@ -37,6 +37,7 @@ def test_killed_process_is_detected_fast(store):
     res = run_ranks(killed_mid_collective, 4, store.port, may_die=(2,))
     for r in (0, 1, 3):
         ranks, msg, took, later = res[r]
+        print(f"kill -9: rank {r} raised after {took:.3f} s: {msg}")
         assert 2 in ranks or "rank 2" in msg, msg
         assert took < 3.0, f"rank {r} took {took:.2f} s to notice"
         assert "broken" in later
@@ -61,6 +62,7 @@ def test_stopped_process_is_detected_by_heartbeats(store):
                     kill_after_results=True)
     for r in (0, 2):
         ranks, msg, took = res[r]
+        print(f"SIGSTOP (liveness_timeout=2): rank {r} raised after {took:.2f} s: {msg}")
         assert ranks == [1] and "heartbeats" in msg, msg
         assert 1.5 < took < 4.5, took
 
