@@ -302,13 +302,10 @@ def scatter_flat(ctx: Ctx, objs: Sequence[Any] | None, root: int) -> Plan:
 
 
 def reduce_flat(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: int) -> Plan:
-    if ctx.rank != root:
-        yield Step(0, sends=((root, obj),))
+    got = yield from gather_flat(ctx, obj, root)
+    if got is None:
         return None
-    others = tuple(p for p in range(ctx.size) if p != root)
-    got = (yield Step(0, recvs=others)) if others else {}
-    got[root] = obj
     acc = got[0]
-    for p in range(1, ctx.size):
-        acc = combine(acc, got[p])
+    for v in got[1:]:
+        acc = combine(acc, v)
     return acc

@@ -99,6 +99,25 @@ def check_bind_host(host: str) -> None:
         socket.getaddrinfo(host, None)
 
 
+async def _readable(fd: int, timeout: float) -> None:
+    """Return when ``fd`` is readable or ``timeout`` seconds pass, through the running event
+    loop (a reader callback: no thread, no polling)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, wake)
+    timer = loop.call_later(max(timeout, 0.0), wake)
+    try:
+        await fut
+    finally:
+        timer.cancel()
+        loop.remove_reader(fd)
+
+
 def _bind_error(e: zmq.ZMQError, what: str, addr: str) -> CtrlcommError:
     if e.errno == zmq.EADDRINUSE:
         return StoreError(f"cannot bind {what} on {addr}: address already in use")
@@ -192,20 +211,7 @@ class ZmqEndpoint:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""
         if self.rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        loop.add_reader(self.fd, wake)
-        timer = loop.call_later(max(timeout, 0.0), wake)
-        try:
-            await fut
-        finally:
-            timer.cancel()
-            loop.remove_reader(self.fd)
+        await _readable(self.fd, timeout)
 
     def close(self) -> None:
         if self.closed:
@@ -721,20 +727,7 @@ class TcpEndpoint:
 
     async def wait_async(self, timeout: float) -> None:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        loop.add_reader(self.fd, wake)
-        timer = loop.call_later(max(timeout, 0.0), wake)
-        try:
-            await fut
-        finally:
-            timer.cancel()
-            loop.remove_reader(self.fd)
+        await _readable(self.fd, timeout)
 
     def close(self) -> None:
         """Close every socket; unsent data goes on in a short-lived thread (like a linger)."""
