@@ -5,7 +5,7 @@ Theory of operation
 A group has one :class:`Core`. Every call (collective or point to point) is run by
 :meth:`Core.execute`, a generator that does all the work and yields only when it must wait,
 yielding the number of seconds it is willing to sleep. The blocking driver (:func:`run_sync`)
-answers each yield by sleeping in ``zmq_poll``; the asyncio driver (:func:`run_async`) by
+answers each yield by sleeping in the kernel (epoll or ``zmq_poll``); the asyncio driver (:func:`run_async`) by
 awaiting the socket's descriptor through the event loop. Nothing else differs between the two.
 
 Matching: collective messages are keyed by (seq, round, src) and kept until the plan asks for
@@ -25,7 +25,6 @@ rejected before a seq number is taken, so they leave the group open too.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections import Counter, deque
@@ -536,4 +535,4 @@ async def run_async(core: Core, gen: Wait) -> Any:
         return e.value
 
 
-__all__ = ["Core", "run_sync", "run_async", "asyncio"]
+__all__ = ["Core", "run_sync", "run_async"]
