@@ -76,6 +76,18 @@ def describe(op: int, root: int) -> str:
     return parts[0] + (f"({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
+class _Deadline:
+    """A call's deadline, and whether the ranks it waits for were asked what they are doing
+    (done once, PROBE_GRACE before the deadline, so the timeout error can say it)."""
+
+    __slots__ = ("deadline", "t", "probe_at", "probed")
+
+    def __init__(self, deadline: float, t: float) -> None:
+        self.deadline, self.t = deadline, t
+        self.probe_at = deadline - min(PROBE_GRACE, t / 10)
+        self.probed = False
+
+
 class Core:
     def __init__(self, *, name: str, rank: int, size: int, group_id: int,
                  endpoint: TcpEndpoint | ZmqEndpoint,
@@ -380,8 +392,7 @@ class Core:
     def _collect(self, step: _plans.Step, seq: int, deadline: float, t: float, name: str) -> Wait:
         if not step.recvs:
             return {}
-        probe_at = deadline - min(PROBE_GRACE, t / 10)
-        probed = False
+        dl = _Deadline(deadline, t)
         while True:
             self.pump()
             if self.mismatch is not None:
@@ -393,25 +404,31 @@ class Core:
             if not missing:
                 return {s: self._decode(self._take(seq, step.round, s), f"{name} #{seq}")
                         for s in step.recvs}
+            yield from self._wait(missing, dl, name, seq)
+
+    def _wait(self, missing: list[int], dl: _Deadline, name: str, seq: int | None) -> Wait:
+        """One wait for ``missing`` ranks: raise if one is lost or the deadline passed, ask
+        them what they are doing shortly before it, else sleep until something may change."""
+        for s in missing:
+            if s in self.paused:  # what is wanted came first from it; read on, to see why not
+                self.paused.discard(s)
+                self.ep.resume(s)
+        self.waiting_for = missing
+        now = time.monotonic()
+        lost, suspect_at = self._check_lost(missing, now)
+        what = f"{name} #{seq}" if seq is not None else name
+        if lost:
+            raise PeerLostError(
+                f"{what} on group {self.name!r} cannot complete on rank {self.rank}: "
+                + "; ".join(f"rank {s} {self.gone[s]}" for s in lost), ranks=lost)
+        if now >= dl.deadline:
+            raise self._timeout(name, seq, dl.t, missing)
+        if not dl.probed and now >= dl.probe_at:
+            dl.probed = True
             for s in missing:
-                if s in self.paused:  # it should have come first; read on, to see why not
-                    self.paused.discard(s)
-                    self.ep.resume(s)
-            self.waiting_for = missing
-            now = time.monotonic()
-            lost, suspect_at = self._check_lost(missing, now)
-            if lost:
-                raise PeerLostError(
-                    f"{name} #{seq} on group {self.name!r} cannot complete on rank {self.rank}: "
-                    + "; ".join(f"rank {s} {self.gone[s]}" for s in lost), ranks=lost)
-            if now >= deadline:
-                raise self._timeout(name, seq, t, missing)
-            if not probed and now >= probe_at:
-                probed = True
-                for s in missing:
-                    self.status.pop(s, None)
-                    self._send_raw(s, w.STATUS_REQ, b"")
-            yield min(deadline if probed else probe_at, suspect_at) - now
+                self.status.pop(s, None)
+                self._send_raw(s, w.STATUS_REQ, b"")
+        yield min(dl.deadline if dl.probed else dl.probe_at, suspect_at) - now
 
     def _timeout(self, name: str, seq: int | None, t: float, missing: list[int]
                  ) -> CollectiveTimeoutError:
@@ -446,13 +463,9 @@ class Core:
     def recv(self, src: int, tag: int, timeout: float | None) -> Wait:
         self.enter("recv")
         t = self.timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + t
-        self.active = (f"recv(src={src}, tag={tag})", -1, 0, w.NO_ROOT)
-        probe_at = deadline - min(PROBE_GRACE, t / 10)
-        probed = False
-        if src in self.paused:  # what is wanted may be behind that peer's collective messages
-            self.paused.discard(src)
-            self.ep.resume(src)
+        name = f"recv(src={src}, tag={tag})"
+        dl = _Deadline(time.monotonic() + t, t)
+        self.active = (name, -1, 0, w.NO_ROOT)
         try:
             while True:
                 self.pump()
@@ -461,22 +474,10 @@ class Core:
                     m = q.popleft()
                     if not q:
                         del self.p2p[(src, tag)]
-                    return self._decode(m, f"recv(src={src}, tag={tag})")
+                    return self._decode(m, name)
                 if self.state == "broken":
                     raise GroupBrokenError(str(self.cause)) from self.cause
-                self.waiting_for = [src]
-                now = time.monotonic()
-                lost, suspect_at = self._check_lost([src], now)
-                if lost:
-                    raise PeerLostError(f"recv(src={src}, tag={tag}) on group {self.name!r}: "
-                                        f"rank {src} {self.gone[src]}", ranks=[src])
-                if now >= deadline:
-                    raise self._timeout(f"recv(src={src}, tag={tag})", None, t, [src])
-                if not probed and now >= probe_at:
-                    probed = True
-                    self.status.pop(src, None)
-                    self._send_raw(src, w.STATUS_REQ, b"")
-                yield min(deadline if probed else probe_at, suspect_at) - now
+                yield from self._wait([src], dl, name, None)
         finally:
             self.active = None
             self.waiting_for = []

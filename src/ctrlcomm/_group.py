@@ -69,6 +69,14 @@ def _rank_arg(core: Core, value: Any, what: str, op: str) -> int:
     return r
 
 
+def _peer_arg(core: Core, value: Any, what: str, op: str) -> int:
+    """A rank other than this one (point to point)."""
+    r = _rank_arg(core, value, what, op)
+    if r == core.rank:
+        raise InvalidArgumentError(f"{op} on rank {core.rank}: {what} is this rank")
+    return r
+
+
 def _timeout_arg(timeout: float | None, op: str) -> float | None:
     if timeout is None:
         return None
@@ -573,18 +581,14 @@ class Group:
         that does not keep up): then it waits, up to ``timeout``, for the queue to drain.
         """
         c = self._core
-        d = _rank_arg(c, dst, "dst", "send")
-        if d == c.rank:
-            raise InvalidArgumentError(f"send on rank {c.rank}: dst is this rank")
-        run_sync(c, c.send(obj, d, _tag_arg(c, tag, "send"), _timeout_arg(timeout, "send")))
+        run_sync(c, c.send(obj, _peer_arg(c, dst, "dst", "send"), _tag_arg(c, tag, "send"),
+                           _timeout_arg(timeout, "send")))
 
     def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         """The next object ``src`` sent to this rank with ``tag``."""
         c = self._core
-        s = _rank_arg(c, src, "src", "recv")
-        if s == c.rank:
-            raise InvalidArgumentError(f"recv on rank {c.rank}: src is this rank")
-        return run_sync(c, c.recv(s, _tag_arg(c, tag, "recv"), _timeout_arg(timeout, "recv")))
+        return run_sync(c, c.recv(_peer_arg(c, src, "src", "recv"), _tag_arg(c, tag, "recv"),
+                                  _timeout_arg(timeout, "recv")))
 
     # -------------------------------------------------------------------- lifecycle
 
@@ -660,19 +664,13 @@ class AioGroup:
     async def send(self, obj: Any, dst: int, tag: int = 0, *,
                    timeout: float | None = None) -> None:
         c = self._core
-        d = _rank_arg(c, dst, "dst", "send")
-        if d == c.rank:
-            raise InvalidArgumentError(f"send on rank {c.rank}: dst is this rank")
-        await run_async(c, c.send(obj, d, _tag_arg(c, tag, "send"),
-                                  _timeout_arg(timeout, "send")))
+        await run_async(c, c.send(obj, _peer_arg(c, dst, "dst", "send"),
+                                  _tag_arg(c, tag, "send"), _timeout_arg(timeout, "send")))
 
     async def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         c = self._core
-        s = _rank_arg(c, src, "src", "recv")
-        if s == c.rank:
-            raise InvalidArgumentError(f"recv on rank {c.rank}: src is this rank")
-        return await run_async(c, c.recv(s, _tag_arg(c, tag, "recv"),
-                                         _timeout_arg(timeout, "recv")))
+        return await run_async(c, c.recv(_peer_arg(c, src, "src", "recv"),
+                                         _tag_arg(c, tag, "recv"), _timeout_arg(timeout, "recv")))
 
 
 # ---------------------------------------------------------------------------- rendezvous
