@@ -316,8 +316,12 @@ class Core:
                     result = e.value
                     break
                 self._post(step, seq, opcode, root)
-                yield from self._backpressure([d for d, _ in step.sends], deadline, t, name, seq)
-                reply = yield from self._collect(step, seq, deadline, t, name)
+                if self.ep.unflushed:  # else nothing is queued: no backlog to wait out
+                    yield from self._backpressure([d for d, _ in step.sends], deadline, t,
+                                                  name, seq)
+                reply = {}
+                if step.recvs:
+                    reply = yield from self._collect(step, seq, deadline, t, name)
             self.last = f"{name} #{seq}"
             return result
         except GeneratorExit:
@@ -390,25 +394,31 @@ class Core:
             yield min(deadline, suspect_at) - now
 
     def _collect(self, step: _plans.Step, seq: int, deadline: float, t: float, name: str) -> Wait:
-        if not step.recvs:
-            return {}
-        dl = _Deadline(deadline, t)
+        dl = None
+        rnd = step.round
+        # What is already in the mailbox needs no system call. Otherwise the wait itself
+        # (epoll_wait, which returns at once if something is ready) comes before reading:
+        # a non-blocking poll first would cost one more system call per wait.
         while True:
-            self.pump()
             if self.mismatch is not None:
                 raise self.mismatch
             if self.state == "broken":
                 raise self.cause  # type: ignore[misc]
-            slot = self.box.get(seq, {})
-            missing = [s for s in step.recvs if (step.round, s) not in slot]
+            slot = self.box.get(seq)
+            missing = [s for s in step.recvs if (rnd, s) not in slot] if slot else \
+                list(step.recvs)
             if not missing:
-                return {s: self._decode(self._take(seq, step.round, s), f"{name} #{seq}")
+                return {s: self._decode(self._take(seq, rnd, s), f"{name} #{seq}")
                         for s in step.recvs}
-            yield from self._wait(missing, dl, name, seq)
+            if dl is None:
+                dl = _Deadline(deadline, t)
+            yield self._wait(missing, dl, name, seq)
+            self.pump()
 
-    def _wait(self, missing: list[int], dl: _Deadline, name: str, seq: int | None) -> Wait:
-        """One wait for ``missing`` ranks: raise if one is lost or the deadline passed, ask
-        them what they are doing shortly before it, else sleep until something may change."""
+    def _wait(self, missing: list[int], dl: _Deadline, name: str, seq: int | None) -> float:
+        """Before one wait for ``missing`` ranks: raise if one is lost or the deadline passed,
+        ask them what they are doing shortly before it; else the seconds to sleep (at most:
+        the wait ends when something arrives)."""
         for s in missing:
             if s in self.paused:  # what is wanted came first from it; read on, to see why not
                 self.paused.discard(s)
@@ -428,7 +438,7 @@ class Core:
             for s in missing:
                 self.status.pop(s, None)
                 self._send_raw(s, w.STATUS_REQ, b"")
-        yield min(dl.deadline if dl.probed else dl.probe_at, suspect_at) - now
+        return min(dl.deadline if dl.probed else dl.probe_at, suspect_at) - now
 
     def _timeout(self, name: str, seq: int | None, t: float, missing: list[int]
                  ) -> CollectiveTimeoutError:
@@ -477,7 +487,7 @@ class Core:
                     return self._decode(m, name)
                 if self.state == "broken":
                     raise GroupBrokenError(str(self.cause)) from self.cause
-                yield from self._wait([src], dl, name, None)
+                yield self._wait([src], dl, name, None)
         finally:
             self.active = None
             self.waiting_for = []

@@ -35,6 +35,7 @@ from ._store import StoreClient
 from ._transport import (
     Heartbeat,
     StoreServer,
+    TcpEndpoint,
     check_bind_host,
     local_address_for,
     make_endpoint,
@@ -420,10 +421,16 @@ class Group:
                                 name, bind_host)
             ep = make_endpoint(transport, bind_host, zmq_context=zmq_context)
             hb = Heartbeat(bind_host, 0, rank, key or None, float(heartbeat_interval))
-            nonce, table = _rendezvous(store, f"{ep.address} {hb.port}", rank, world_size,
-                                       name, deadline)
-            peers = {r: line.split(" ")[0] for r, line in table.items()}
-            ep.set_peers(peers)
+            # "tcp-endpoint udp-port [unix:name@host]": the last where this host has one
+            me = " ".join(filter(None, (ep.address, str(hb.port),
+                                        getattr(ep, "local_address", ""))))
+            nonce, table = _rendezvous(store, me, rank, world_size, name, deadline)
+            fields = {r: line.split(" ") for r, line in table.items()}
+            peers = {r: f[0] for r, f in fields.items()}
+            if isinstance(ep, TcpEndpoint):
+                ep.set_peers(peers, {r: f[2] for r, f in fields.items() if len(f) > 2})
+            else:
+                ep.set_peers(peers)
             gid = _group_id(name, nonce)
             hb.group_id = gid
             hb.start({r: (_host_of(peers[r]), int(line.split(" ")[1]))

@@ -46,12 +46,19 @@ def _array_module(x: Any) -> Any:
     return None
 
 
+_PLAIN = frozenset({int, float, bool})  # numbers combined without looking further
+
+
 def _maximum(a: Any, b: Any) -> Any:
+    if type(a) in _PLAIN and type(b) in _PLAIN:
+        return a if a >= b else b
     m = _array_module(a) or _array_module(b)
     return m.maximum(a, b) if m is not None else (a if a >= b else b)
 
 
 def _minimum(a: Any, b: Any) -> Any:
+    if type(a) in _PLAIN and type(b) in _PLAIN:
+        return a if a <= b else b
     m = _array_module(a) or _array_module(b)
     return m.minimum(a, b) if m is not None else (a if a <= b else b)
 
@@ -86,14 +93,21 @@ def _elementwise(leaf: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
             raise TypeError(f"cannot combine a {type(a).__name__} with a {type(b).__name__}")
         if len(a) != len(b):
             raise ValueError(f"operands have different lengths ({len(a)} and {len(b)})")
-        return type(a)(_elementwise(leaf, x, y) for x, y in zip(a, b, strict=True))
+        out = [leaf(x, y) if type(x) in _PLAIN and type(y) in _PLAIN
+               else _elementwise(leaf, x, y) for x, y in zip(a, b, strict=True)]
+        return out if type(a) is list else type(a)(out)
     if isinstance(b, (tuple, list)):
         raise TypeError(f"cannot combine a {type(a).__name__} with a {type(b).__name__}")
     return leaf(a, b)
 
 
+_NAMED: dict[str, Callable[[Any, Any], Any]] = {}
+
+
 def resolve(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:
     """The combine function for ``op``; raises :class:`InvalidArgumentError` for bad ops."""
+    if type(op) is str and op in _NAMED:
+        return _NAMED[op]
     if callable(op):
         user = op
 
@@ -111,6 +125,7 @@ def resolve(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:
     def combine(a: Any, b: Any) -> Any:
         return _elementwise(leaf, a, b)
 
+    _NAMED[op] = combine
     return combine
 
 
@@ -120,10 +135,15 @@ def check_operand(op: Op, value: Any, opname: str, rank: int) -> None:
         return
     integral = op in ("band", "bor")
 
+    plain = (int, bool) if integral else (int, bool, float)
+
     def walk(v: Any) -> None:
+        if type(v) in plain:  # the common case, without the slower ABC checks below
+            return
         if isinstance(v, (tuple, list)):
             for x in v:
-                walk(x)
+                if type(x) not in plain:
+                    walk(x)
             return
         if _array_module(v) is not None and hasattr(v, "dtype"):
             return

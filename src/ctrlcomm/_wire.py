@@ -23,7 +23,7 @@ import pickle
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import CodecError, WireError
 
@@ -70,9 +70,9 @@ OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
 OP_NAME = {code: name for name, code in OP_CODE.items()}
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One decoded group message (payload still encoded)."""
+class Message(NamedTuple):
+    """One decoded group message (payload still encoded). A named tuple: immutable, and
+    built in a third of the time of a frozen dataclass (one is built per message)."""
 
     kind: int
     src: int

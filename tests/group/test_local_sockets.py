@@ -1,0 +1,110 @@
+"""Ranks on one host talk over abstract Unix sockets (TCP otherwise); awaited waits keep the
+group's descriptor registered with the event loop without spinning on it."""
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+
+import ctrlcomm
+from ctrlcomm import _wire as w
+from ctrlcomm.testing import free_port, run_group, run_ranks
+
+
+def families(rank, size, port, local):
+    os.environ["CTRLCOMM_LOCAL_SOCKETS"] = "1" if local else "0"
+    with ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="fam", timeout=30) as g:
+        got = g.all_gather(rank * 10)
+        g.all_to_all([rank] * size)
+        fams = sorted({c.sock.family.name for c in g._core.ep.out.values()})
+        g.barrier()
+        return got, fams
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_same_host_peers_use_unix_sockets_unless_turned_off(local):
+    res = run_ranks(families, 3, free_port(), local)
+    for got, fams in res:
+        assert got == [0, 10, 20]
+        assert fams == (["AF_UNIX"] if local else ["AF_INET"])
+
+
+def foreign_user(g):
+    """Rank 0 sends, as user 'nobody', a frame to rank 1's Unix socket: it must be refused."""
+    g.barrier()
+    if g.rank == 0:
+        name = g._core.ep.local_peers[1]
+        frames = w.encode(w.Message(w.P2P, 0, g._core.group_id, 1, 0, 0, w.NO_ROOT, w.PICKLE,
+                                    b"\x80\x05K\x07."))
+        pid = os.fork()
+        if pid == 0:  # the child: drop to another user, then connect
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect("\0" + name)
+                    s.sendall(w.stream_prefix(frames) + b"".join(frames))
+                    time.sleep(0.3)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    g.barrier()
+    out = None
+    if g.rank == 1:
+        try:
+            out = g.recv(0, timeout=0.3)
+        except ctrlcomm.CollectiveTimeoutError:
+            out = "nothing"
+    g.barrier()
+    if g.rank == 0:
+        g.send("real", dst=1)
+    got = g.recv(0) if g.rank == 1 else None
+    return out, got, g.stats()["dropped"], g.all_reduce(1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_unix_socket_refuses_other_users():
+    res = run_group(foreign_user, 2)
+    out, got, dropped, total = res[1]
+    assert (out, got, total) == ("nothing", "real", 2)
+    assert dropped.get("foreign_user") == 1
+
+
+def idle_loop(g):
+    """While rank 0's event loop sleeps, rank 1 sends: the loop must not spin on the ready
+    descriptor; messages wait for the next awaited call; a second loop works too."""
+    if g.rank == 1:
+        time.sleep(0.3)  # so that rank 0 waits in the event loop
+        g.barrier()
+        for i in range(20):
+            g.send(i, dst=0)
+            time.sleep(0.04)
+        g.barrier()
+        g.barrier()
+        return g.all_reduce(5)
+
+    async def first():
+        await g.aio.barrier()  # registers the descriptor with this loop
+        c0 = time.process_time()
+        await asyncio.sleep(1.2)  # rank 1 sends meanwhile
+        cpu = time.process_time() - c0
+        got = [await g.aio.recv(1) for _ in range(20)]
+        await g.aio.barrier()
+        return cpu, got
+
+    cpu, got = asyncio.run(first())
+    g.barrier()  # blocking, between two loops
+
+    async def second():
+        return await g.aio.all_reduce(5)
+
+    return cpu, got, asyncio.run(second())
+
+
+def test_awaited_waits_do_not_spin_while_the_loop_idles():
+    (cpu, got, total), other = run_group(idle_loop, 2)
+    assert got == list(range(20))
+    assert total == other == 10
+    assert cpu < 0.3, f"the event loop used {cpu:.2f} s of CPU while idle for 1.2 s"
