@@ -207,6 +207,18 @@ def _system(name: str) -> Callable[..., Results]:
 Results = dict[tuple[str, int], dict[str, Any]]
 
 
+def merge(a: list[Results], b: list[Results]) -> list[Results]:
+    """Pool two runs of one system (rank by rank): samples appended, CPU averaged."""
+    out = []
+    for ra, rb in zip(a, b, strict=True):
+        out.append({k: {"times": ra[k]["times"] + rb[k]["times"],
+                        "cpu": (ra[k]["cpu"] * len(ra[k]["times"]) + rb[k]["cpu"]
+                                * len(rb[k]["times"])) / (len(ra[k]["times"])
+                                                          + len(rb[k]["times"]))}
+                    for k in ra})
+    return out
+
+
 def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, float]]:
     out = {}
     for key in per_rank[0]:
@@ -293,42 +305,49 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
     from .testing import free_port, run_ranks
 
     plan = op_sizes(cfg["ops"], cfg["sizes"])
-    bar = _Progress(len(plan) * len(world_sizes) * len(systems), stream)
+    repeat = max(int(cfg.get("repeat", 1)), 1)
+    bar = _Progress(len(plan) * len(world_sizes) * len(systems) * repeat, stream)
     rows = []
     ctx = mp.get_context("spawn")
-    for n in world_sizes:
-        for system in systems:
-            if system == "mpi":
-                per_rank = run_mpi(n, cfg)
-                for op, size in plan:
-                    bar.step(f"mpi N={n} {op} {fmt_size(size) if size else ''}")
-                for (op, size), fig in summarize(per_rank).items():
-                    rows.append({"system": system, "op": op, "size": size, "world_size": n,
-                                 **fig})
-                continue
-            q = ctx.Queue()
-            stop = threading.Event()
 
-            def pump(q: Any = q, n: int = n, system: str = system, stop: Any = stop) -> None:
-                while not stop.is_set():
-                    try:
-                        _, op, size = q.get(timeout=0.1)
-                    except Exception:
-                        continue
-                    bar.step(f"{system} N={n} {op} {fmt_size(size) if size else ''}")
+    def run_one(n: int, system: str) -> list[Results]:
+        if system == "mpi":
+            per_rank = run_mpi(n, cfg)
+            for op, size in plan:
+                bar.step(f"mpi N={n} {op} {fmt_size(size) if size else ''}")
+            return per_rank
+        q = ctx.Queue()
+        stop = threading.Event()
 
-            th = threading.Thread(target=pump, daemon=True)
-            th.start()
-            with StoreServer("127.0.0.1", 0) as srv:
-                c = dict(cfg, host="127.0.0.1", port=srv.port, host_store=False,
-                         tag=f"{system}{n}", aux_port=free_port())
+        def pump() -> None:
+            while not stop.is_set():
                 try:
-                    per_rank = run_ranks(_bench_child, n, system, c, q,
-                                         timeout=cfg.get("timeout", 900))
-                finally:
-                    stop.set()
-                    th.join()
-            for (op, size), fig in summarize(per_rank).items():
+                    _, op, size = q.get(timeout=0.1)
+                except Exception:
+                    continue
+                bar.step(f"{system} N={n} {op} {fmt_size(size) if size else ''}")
+
+        th = threading.Thread(target=pump, daemon=True)
+        th.start()
+        with StoreServer("127.0.0.1", 0) as srv:
+            c = dict(cfg, host="127.0.0.1", port=srv.port, host_store=False,
+                     tag=f"{system}{n}", aux_port=free_port())
+            try:
+                return run_ranks(_bench_child, n, system, c, q, timeout=cfg.get("timeout", 900))
+            finally:
+                stop.set()
+                th.join()
+
+    for n in world_sizes:
+        # With --repeat, the systems take turns (a, b, c, a, b, c, ...) and each one's samples
+        # are pooled: a slow spell of a shared machine then falls on every system alike.
+        got: dict[str, list[Results]] = {}
+        for _ in range(repeat):
+            for system in systems:
+                per_rank = run_one(n, system)
+                got[system] = per_rank if system not in got else merge(got[system], per_rank)
+        for system in systems:
+            for (op, size), fig in summarize(got[system]).items():
                 rows.append({"system": system, "op": op, "size": size, "world_size": n, **fig})
     bar.end()
     return rows
@@ -417,7 +436,8 @@ def read_json(path: str) -> list[dict[str, Any]]:
 
 
 def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
-    meta = {k: v for k, v in cfg.items() if k in ("ops", "sizes", "iters", "warmup", "aio")}
+    meta = {k: v for k, v in cfg.items()
+            if k in ("ops", "sizes", "iters", "warmup", "aio", "repeat")}
     meta["python"] = sys.version.split()[0]
     meta["cpus"] = os.cpu_count()
     meta["when"] = time.strftime("%Y-%m-%dT%H:%M:%S")

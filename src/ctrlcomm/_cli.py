@@ -42,7 +42,7 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     cfg = {"ops": ops, "sizes": [b.parse_size(s) for s in args.sizes.split(",")],
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
-           "transport": args.transport}
+           "transport": args.transport, "repeat": args.repeat}
     systems = ["ctrlcomm"] + (["ctrlcomm-aio"] if args.aio else [])
     rows: list[dict[str, Any]] | None
     if args.from_json:
@@ -107,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bp.add_argument("--sizes", default="8", help="payload sizes, e.g. 8,1K,64K,1M")
     bp.add_argument("--iters", type=int, default=1000)
     bp.add_argument("--warmup", type=int, default=100)
+    bp.add_argument("--repeat", type=int, default=1,
+                    help="run the systems in turn this many times and pool their samples "
+                         "(evens out slow spells of a shared machine)")
     bp.add_argument("--aio", action="store_true",
                     help="also run the awaited (asyncio) variant, in its own column")
     bp.add_argument("--against", help="compare with: gloo,mpi,store,star (star: all_reduce "

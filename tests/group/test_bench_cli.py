@@ -32,3 +32,25 @@ def test_bench_local_with_aio_json_and_comparison(tmp_path):
 def test_bench_rejects_unknown_ops_and_systems():
     assert run("--ops", "allreduce").returncode == 2
     assert run("--against", "nccl").returncode == 2
+
+
+def test_bench_repeat_pools_the_samples_of_alternating_runs(tmp_path):
+    out = tmp_path / "r.json"
+    p = run("-n", "2", "--ops", "barrier,all_reduce", "--iters", "15", "--warmup", "2",
+            "--repeat", "2", "--aio", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "4/4" not in p.stderr and "8/8" in p.stderr  # 2 ops x 2 systems x 2 runs
+    data = json.loads(out.read_text())
+    assert data["config"]["repeat"] == 2
+    assert {(r["system"], r["op"]) for r in data["results"]} == {
+        (s, o) for s in ("ctrlcomm", "ctrlcomm-aio") for o in ("barrier", "all_reduce")}
+
+
+def test_merge_appends_samples_and_weights_cpu():
+    from ctrlcomm._bench import merge, summarize
+
+    a = [{("barrier", 0): {"times": [1.0, 2.0], "cpu": 1.0}}] * 2
+    b = [{("barrier", 0): {"times": [3.0, 4.0, 5.0, 6.0], "cpu": 4.0}}] * 2
+    m = merge(a, b)
+    assert m[0][("barrier", 0)] == {"times": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "cpu": 3.0}
+    assert summarize(m)[("barrier", 0)]["median_us"] == 3.5e6
