@@ -362,16 +362,20 @@ class Core:
                 self._release(src)
 
     def _post(self, step: _plans.Step, seq: int, opcode: int, root: int) -> None:
-        cache: dict[int, list[Any]] = {}
+        # one encoding per distinct object (a root often sends the same one to every peer)
+        by_obj: dict[int, tuple[Any, list[int]]] = {}
         for dst, obj in step.sends:
-            frames = cache.get(id(obj))
-            if frames is None:
-                payload, bufs = self._encode(obj)
-                msg = w.Message(w.COLL, self.rank, self.group_id, seq, step.round, opcode, root,
-                                self.codec, payload, bufs)
-                frames = cache[id(obj)] = w.encode(msg, self.key)
-            self.ep.send(dst, frames)
-            self.sent += 1
+            entry = by_obj.get(id(obj))
+            if entry is None:
+                by_obj[id(obj)] = (obj, [dst])
+            else:
+                entry[1].append(dst)
+        for obj, dsts in by_obj.values():
+            payload, bufs = self._encode(obj)
+            msg = w.Message(w.COLL, self.rank, self.group_id, seq, step.round, opcode, root,
+                            self.codec, payload, bufs)
+            self.ep.send_many(dsts, w.encode(msg, self.key))
+            self.sent += len(dsts)
 
     def _backpressure(self, dsts: list[int], deadline: float, t: float, name: str,
                       seq: int | None) -> Wait:

@@ -179,6 +179,10 @@ class ZmqEndpoint:
             big = not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_THRESHOLD
             s.send(f, (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT, copy=not big)
 
+    def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
+        for dst in dsts:
+            self.send(dst, frames)
+
     unflushed: frozenset[int] = frozenset()  # ZeroMQ flushes in its own I/O thread
 
     def backlog(self, dst: int) -> int:
@@ -582,16 +586,24 @@ class TcpEndpoint:
 
     def send(self, dst: int, frames: Sequence[Any]) -> None:
         """Queue a message for ``dst``; never waits for the peer."""
-        c = self.out.get(dst)
-        if c is None:
-            c = self._connect(dst)
-        if c.sock.fileno() < 0:  # lost: the core already knows
-            return
+        self.send_many((dst,), frames)
+
+    def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
+        """Queue one message for each of ``dsts`` (framed once)."""
         lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
         prefix = w.stream_prefix_lens(lens)
         total = sum(lens) + len(prefix)
         # a small message goes as one buffer (cheaper to send and, if it must wait, to queue)
         parts = [prefix, *frames] if total >= COPY_THRESHOLD else [b"".join([prefix, *frames])]
+        for dst in dsts:
+            self._send_parts(dst, parts, total)
+
+    def _send_parts(self, dst: int, parts: list[Any], total: int) -> None:
+        c = self.out.get(dst)
+        if c is None:
+            c = self._connect(dst)
+        if c.sock.fileno() < 0:  # lost: the core already knows
+            return
         if c.pending or c.connecting:
             self._queue(c, parts, 0)
             self._register(c, select.EPOLLOUT | select.EPOLLIN)
