@@ -119,12 +119,14 @@ class Core:
         self.active: tuple[str, int, int, int] | None = None  # (name, seq, opcode, root)
         self.waiting_for: list[int] = []
         self.mismatch: MismatchError | None = None
-        self.last = "nothing yet"
+        self.last: tuple[str, int | None] = ("nothing yet", None)
         self._lock = threading.Lock()
         self._owner = ""
         self.ctx = _plans.Ctx(rank, size)
         self.hb = heartbeat
         self.liveness_timeout = liveness_timeout
+        self._live_until = 0.0  # until then no peer's heartbeats can be overdue
+        self.barrier_call: Any = None  # the group's barrier call spec, made once
         endpoint.on_lost = self._lost
 
     def _lost(self, rank: int, why: str, certain: bool) -> None:
@@ -136,9 +138,21 @@ class Core:
             self.suspects.setdefault(rank, (time.monotonic() + SUSPECT_GRACE, text))
 
     def _check_lost(self, missing: list[int], now: float) -> tuple[list[int], float]:
-        """Ranks among ``missing`` known gone, and when the next suspect's grace ends."""
-        nxt = float("inf")
+        """Ranks among ``missing`` known gone, and when this should be asked again (a
+        suspect's grace ends, or a peer's heartbeats would be overdue)."""
         hb, limit = self.hb, self.liveness_timeout
+        if not self.gone and not self.suspects:
+            # the common case, cheap: no peer lost or suspect, none silent for too long
+            if now < self._live_until:
+                return [], self._live_until
+            if hb is not None and limit is not None:
+                oldest = min(hb.last_seen.values(), default=now)
+                self._live_until = oldest + limit + 0.01
+            else:
+                self._live_until = float("inf")
+            if now < self._live_until:
+                return [], self._live_until
+        nxt = float("inf")
         for s in missing:
             if s in self.gone:
                 continue
@@ -238,7 +252,8 @@ class Core:
     def describe_state(self) -> str:
         a = self.active
         if a is None:
-            return f"idle (last call: {self.last})"
+            last = self.last[0] if self.last[1] is None else f"{self.last[0]} #{self.last[1]}"
+            return f"idle (last call: {last})"
         what = f"{describe(a[2], a[3])} #{a[1]}" if a[1] >= 0 else a[0]
         return f"in {what}, waiting for ranks {self.waiting_for}"
 
@@ -254,11 +269,12 @@ class Core:
     def _encode(self, obj: Any) -> tuple[Any, tuple[Any, ...]]:
         return w.dumps(obj, self.codec)
 
-    def _decode(self, m: w.Message, what: str) -> Any:
+    def _decode(self, m: w.Message, what: str, seq: int | None = None) -> Any:
         try:
             return w.loads(m.payload, m.buffers, m.codec)
         except Exception as e:  # unpickling runs code: anything can come out
-            raise CodecError(f"{what}: cannot decode the object from rank {m.src}: "
+            where = what if seq is None else f"{what} #{seq}"
+            raise CodecError(f"{where}: cannot decode the object from rank {m.src}: "
                              f"{type(e).__name__}: {e}") from e
 
     # --------------------------------------------------------------------------- states
@@ -295,18 +311,27 @@ class Core:
 
     def collective(self, name: str, plan: Callable[[_plans.Ctx], _plans.Plan], *,
                    opcode: int, root: int = w.NO_ROOT, timeout: float | None) -> Wait:
-        """Run a plan to completion (a generator that yields seconds to wait)."""
+        """Run a plan to completion (a generator that yields seconds to wait).
+
+        Each step's sends go out at once; then, for its receives, what is already in the
+        mailbox needs no system call, and otherwise the wait itself (epoll_wait, which returns
+        at once if something is ready) comes before reading: a non-blocking poll first would
+        cost one more system call per wait. This loop runs for every call: it is kept flat.
+        """
         self.enter(name)
         seq = self.seq
         self.seq += 1
         self.active = (name, seq, opcode, root)
         t = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + t
+        box = self.box
         try:
-            for m in self.box.get(seq, {}).values():
-                if (m.op, m.root) != (opcode, root):
-                    self._set_mismatch(m)
-                    break
+            early = box.get(seq)
+            if early:
+                for m in early.values():
+                    if (m.op, m.root) != (opcode, root):
+                        self._set_mismatch(m)
+                        break
             gen = plan(self.ctx)
             reply: dict[int, Any] | None = None
             while True:
@@ -315,14 +340,33 @@ class Core:
                 except StopIteration as e:
                     result = e.value
                     break
-                self._post(step, seq, opcode, root)
-                if self.ep.unflushed:  # else nothing is queued: no backlog to wait out
-                    yield from self._backpressure([d for d, _ in step.sends], deadline, t,
-                                                  name, seq)
-                reply = {}
-                if step.recvs:
-                    reply = yield from self._collect(step, seq, deadline, t, name)
-            self.last = f"{name} #{seq}"
+                if step.sends:
+                    self._post(step, seq, opcode, root)
+                    if self.ep.unflushed:  # else nothing is queued: no backlog to wait out
+                        yield from self._backpressure([d for d, _ in step.sends], deadline, t,
+                                                      name, seq)
+                recvs = step.recvs
+                if not recvs:
+                    reply = {}
+                    continue
+                rnd = step.round
+                dl = None
+                while True:
+                    if self.mismatch is not None:
+                        raise self.mismatch
+                    if self.state == "broken":
+                        raise self.cause  # type: ignore[misc]
+                    slot = box.get(seq)
+                    missing = [s for s in recvs if (rnd, s) not in slot] if slot \
+                        else list(recvs)
+                    if not missing:
+                        break
+                    if dl is None:
+                        dl = _Deadline(deadline, t)
+                    yield self._wait(missing, dl, name, seq)
+                    self.pump()
+                reply = {s: self._decode(self._take(seq, rnd, s), name, seq) for s in recvs}
+            self.last = (name, seq)
             return result
         except GeneratorExit:
             self.brk(GroupBrokenError(f"{name} #{seq} on group {self.name!r} was cancelled on "
@@ -397,36 +441,15 @@ class Core:
                 raise self._timeout(f"{name} (sending)", seq, t, full)
             yield min(deadline, suspect_at) - now
 
-    def _collect(self, step: _plans.Step, seq: int, deadline: float, t: float, name: str) -> Wait:
-        dl = None
-        rnd = step.round
-        # What is already in the mailbox needs no system call. Otherwise the wait itself
-        # (epoll_wait, which returns at once if something is ready) comes before reading:
-        # a non-blocking poll first would cost one more system call per wait.
-        while True:
-            if self.mismatch is not None:
-                raise self.mismatch
-            if self.state == "broken":
-                raise self.cause  # type: ignore[misc]
-            slot = self.box.get(seq)
-            missing = [s for s in step.recvs if (rnd, s) not in slot] if slot else \
-                list(step.recvs)
-            if not missing:
-                return {s: self._decode(self._take(seq, rnd, s), f"{name} #{seq}")
-                        for s in step.recvs}
-            if dl is None:
-                dl = _Deadline(deadline, t)
-            yield self._wait(missing, dl, name, seq)
-            self.pump()
-
     def _wait(self, missing: list[int], dl: _Deadline, name: str, seq: int | None) -> float:
         """Before one wait for ``missing`` ranks: raise if one is lost or the deadline passed,
         ask them what they are doing shortly before it; else the seconds to sleep (at most:
         the wait ends when something arrives)."""
-        for s in missing:
-            if s in self.paused:  # what is wanted came first from it; read on, to see why not
-                self.paused.discard(s)
-                self.ep.resume(s)
+        if self.paused:
+            for s in missing:
+                if s in self.paused:  # what is wanted came first from it; read on: why not?
+                    self.paused.discard(s)
+                    self.ep.resume(s)
         self.waiting_for = missing
         now = time.monotonic()
         lost, suspect_at = self._check_lost(missing, now)

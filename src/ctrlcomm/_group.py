@@ -121,7 +121,11 @@ def _encodable(core: Core, objs: Sequence[Any], op: str) -> None:
 
 
 def _spec_barrier(core: Core) -> _Call:
-    return _Call("barrier", choose("barrier", core.size), w.OP_CODE["barrier"])
+    call = core.barrier_call
+    if call is None:  # the same for every barrier of a group
+        call = core.barrier_call = _Call("barrier", choose("barrier", core.size),
+                                         w.OP_CODE["barrier"])
+    return call  # type: ignore[no-any-return]
 
 
 def _spec_broadcast(core: Core, obj: Any, src: int) -> _Call:
@@ -155,12 +159,20 @@ def _spec_scatter(core: Core, objs: Any, src: int) -> _Call:
     return _Call("scatter", lambda c: plan(c, mine, root), w.OP_CODE["scatter"], root)
 
 
+_NAMED_REDUCTIONS: dict[tuple[str, str], tuple[Callable[[Any, Any], Any], int]] = {}
+
+
 def _reduction(core: Core, name: str, obj: Any, op: Any) -> tuple[Callable[[Any, Any], Any], int]:
-    combine = _ops.resolve(op, name, core.rank)
+    named = _NAMED_REDUCTIONS.get((name, op)) if type(op) is str else None
+    if named is None:
+        combine = _ops.resolve(op, name, core.rank)
+        red = len(_ops.NAMED_OPS) + 1 if callable(op) else _ops.NAMED_OPS.index(op) + 1
+        named = _ops.safe(combine), w.OP_CODE[name] | (red << 4)
+        if type(op) is str:
+            _NAMED_REDUCTIONS[(name, op)] = named
     _ops.check_operand(op, obj, name, core.rank)
     _encodable(core, [obj], name)
-    red = len(_ops.NAMED_OPS) + 1 if callable(op) else _ops.NAMED_OPS.index(op) + 1
-    return _ops.safe(combine), w.OP_CODE[name] | (red << 4)
+    return named
 
 
 def _raise_failed(name: str, core: Core, result: Any) -> Any:

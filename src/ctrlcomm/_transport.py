@@ -440,6 +440,7 @@ class _Conn:
         self.paused = False
 
 
+_PREFIX2 = struct.Struct("<2sHQQ")  # stream prefix of a two-frame message
 READ_CHUNK = 256 * 1024
 PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
 READ_BUDGET = 8 * 1024 * 1024  # per connection per drain, so one flooding peer cannot starve
@@ -463,8 +464,27 @@ def host_id() -> str:
 _host_id: str | None = None
 
 
-def _local_enabled() -> bool:
-    return os.environ.get("CTRLCOMM_LOCAL_SOCKETS", "1") != "0" and bool(host_id())
+def _local_mode() -> str:
+    """``CTRLCOMM_LOCAL_SOCKETS``: "auto" (default), "1" (always) or "0" (never)."""
+    mode = os.environ.get("CTRLCOMM_LOCAL_SOCKETS", "auto").strip().lower()
+    return mode if mode in ("0", "1") else "auto"
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def use_local_sockets(local_ranks: int, cpus: int) -> bool:
+    """Whether ``local_ranks`` ranks of a group on one host with ``cpus`` CPUs should talk
+    over Unix sockets ("auto"). A Unix send costs less CPU than a loopback TCP one, but wakes
+    the receiver with a hint to run it on the sender's CPU: with a CPU free for each rank
+    that serialises them (world 2 on 2 cores: latency up 15-20 %), when ranks outnumber the
+    CPUs it does not matter and the cheaper sends win (worlds 4 and 8 on 2 cores: 5-15 %
+    faster). Measured with ``ctrlcomm bench``; see benchmarks/README.md."""
+    return local_ranks > cpus
 
 
 class TcpEndpoint:
@@ -474,7 +494,8 @@ class TcpEndpoint:
     the same network namespace of the same kernel connects there instead (a loopback TCP send
     costs the sender the whole TCP receive path; a Unix one about half the CPU). Only processes
     of this user may connect there (checked with ``SO_PEERCRED``); the framing and MAC are the
-    same. ``CTRLCOMM_LOCAL_SOCKETS=0`` turns it off.
+    same. When a rank uses them: :func:`use_local_sockets`; ``CTRLCOMM_LOCAL_SOCKETS=1``
+    always, ``0`` never (not even listening).
     """
 
     kind = "tcp"
@@ -498,7 +519,8 @@ class TcpEndpoint:
         # where peers on this host may connect instead ("unix:NAME@HOSTID"), or ""
         self.local_address = ""
         self.usock: socket.socket | None = None
-        if _local_enabled():
+        self._local_mode = _local_mode()
+        if self._local_mode != "0" and host_id():
             us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             name = "ctrlcomm-" + os.urandom(12).hex()
             try:
@@ -538,8 +560,12 @@ class TcpEndpoint:
         if self.usock is not None:
             for r, a in (local or {}).items():
                 name, _, hid = a.removeprefix("unix:").rpartition("@")
-                if a.startswith("unix:") and name and hid == host_id():
+                if a.startswith("unix:") and name and hid == host_id() \
+                        and a != self.local_address:  # not this rank itself
                     self.local_peers[r] = name
+            if self._local_mode == "auto" and not use_local_sockets(len(self.local_peers) + 1,
+                                                                    _cpus()):
+                self.local_peers = {}  # this rank connects over TCP (it still accepts both)
 
     def _count(self, why: str) -> None:
         self.dropped[why] = self.dropped.get(why, 0) + 1
@@ -590,11 +616,18 @@ class TcpEndpoint:
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""
-        lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
-        prefix = w.stream_prefix_lens(lens)
-        total = sum(lens) + len(prefix)
-        # a small message goes as one buffer (cheaper to send and, if it must wait, to queue)
-        parts = [prefix, *frames] if total >= COPY_THRESHOLD else [b"".join([prefix, *frames])]
+        if len(frames) == 2 and type(frames[0]) is bytes and type(frames[1]) is bytes \
+                and len(frames[1]) < COPY_THRESHOLD:  # the usual message: header and payload
+            one = _PREFIX2.pack(w.STREAM_MAGIC, 2, len(frames[0]), len(frames[1])) \
+                + frames[0] + frames[1]
+            parts, total = [one], len(one)
+        else:
+            lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
+            prefix = w.stream_prefix_lens(lens)
+            total = sum(lens) + len(prefix)
+            # a small message goes as one buffer (cheaper to send and, queued, to keep)
+            parts = [prefix, *frames] if total >= COPY_THRESHOLD \
+                else [b"".join([prefix, *frames])]
         for dst in dsts:
             self._send_parts(dst, parts, total)
 

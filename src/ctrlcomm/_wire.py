@@ -402,9 +402,19 @@ class StreamDecoder:
         end = view.nbytes
         pos = 0
         out = []
+        p2 = _PREFIX[2]
         while pos < end:
             if end - pos < STREAM_HEAD.size:
                 return None
+            if end - pos >= p2.size:  # the usual message: header and payload
+                magic, n, a, b = p2.unpack_from(view, pos)
+                if magic == STREAM_MAGIC and n == 2:
+                    p = pos + p2.size
+                    if p + a + b > end or a + b > self.max_message:
+                        return None
+                    out.append([bytes(view[p : p + a]), bytes(view[p + a : p + a + b])])
+                    pos = p + a + b
+                    continue
             magic, n = STREAM_HEAD.unpack_from(view, pos)
             if magic != STREAM_MAGIC or not 1 <= n <= MAX_FRAMES:
                 return None

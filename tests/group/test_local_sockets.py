@@ -13,8 +13,8 @@ from ctrlcomm import _wire as w
 from ctrlcomm.testing import free_port, run_group, run_ranks
 
 
-def families(rank, size, port, local):
-    os.environ["CTRLCOMM_LOCAL_SOCKETS"] = "1" if local else "0"
+def families(rank, size, port, mode):
+    os.environ["CTRLCOMM_LOCAL_SOCKETS"] = mode
     with ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="fam", timeout=30) as g:
         got = g.all_gather(rank * 10)
         g.all_to_all([rank] * size)
@@ -23,15 +23,32 @@ def families(rank, size, port, local):
         return got, fams
 
 
-@pytest.mark.parametrize("local", [True, False])
-def test_same_host_peers_use_unix_sockets_unless_turned_off(local):
-    res = run_ranks(families, 3, free_port(), local)
+@pytest.mark.parametrize("mode", ["1", "0", "auto"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_same_host_peers_use_unix_sockets_when_ranks_outnumber_cpus(mode, size):
+    from ctrlcomm._transport import _cpus
+
+    res = run_ranks(families, size, free_port(), mode)
+    local = mode == "1" or (mode == "auto" and size > _cpus())
     for got, fams in res:
-        assert got == [0, 10, 20]
+        assert got == [10 * r for r in range(size)]
         assert fams == (["AF_UNIX"] if local else ["AF_INET"])
 
 
-def foreign_user(g):
+def test_local_socket_rule():
+    from ctrlcomm._transport import use_local_sockets
+
+    assert not use_local_sockets(2, 2) and not use_local_sockets(8, 64)
+    assert use_local_sockets(3, 2) and use_local_sockets(8, 2)
+
+
+def foreign_user(rank, size, port):
+    os.environ["CTRLCOMM_LOCAL_SOCKETS"] = "1"
+    with ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="fu", timeout=30) as g:
+        return _foreign_user(g)
+
+
+def _foreign_user(g):
     """Rank 0 sends, as user 'nobody', a frame to rank 1's Unix socket: it must be refused."""
     g.barrier()
     if g.rank == 0:
@@ -66,7 +83,7 @@ def foreign_user(g):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_unix_socket_refuses_other_users():
-    res = run_group(foreign_user, 2)
+    res = run_ranks(foreign_user, 2, free_port())
     out, got, dropped, total = res[1]
     assert (out, got, total) == ("nothing", "real", 2)
     assert dropped.get("foreign_user") == 1
