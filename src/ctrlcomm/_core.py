@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from . import _plans
@@ -266,9 +266,6 @@ class Core:
         except Exception:  # a status or goodbye message is best effort
             pass
 
-    def _encode(self, obj: Any) -> tuple[Any, tuple[Any, ...]]:
-        return w.dumps(obj, self.codec)
-
     def _decode(self, m: w.Message, what: str, seq: int | None = None) -> Any:
         try:
             return w.loads(m.payload, m.buffers, m.codec)
@@ -365,7 +362,9 @@ class Core:
                         dl = _Deadline(deadline, t)
                     yield self._wait(missing, dl, name, seq)
                     self.pump()
-                reply = {s: self._decode(self._take(seq, rnd, s), name, seq) for s in recvs}
+                slot = box[seq]
+                reply = {s: self._decode(slot.pop((rnd, s)), name, seq) for s in recvs}
+                self._release(recvs)
             self.last = (name, seq)
             return result
         except GeneratorExit:
@@ -386,24 +385,23 @@ class Core:
             self.waiting_for = []
             self.leave()
 
-    def _take(self, seq: int, rnd: int, src: int) -> w.Message:
-        m = self.box[seq].pop((rnd, src))
-        self._release(src)
-        return m
-
-    def _release(self, src: int, n: int = 1) -> None:
-        self.held[src] -= n
-        if src in self.paused and self.held[src] <= HOLD_LOW:
-            self.paused.discard(src)
-            self.ep.resume(src)
+    def _release(self, srcs: Sequence[int]) -> None:
+        """One message of each of ``srcs`` left the mailbox."""
+        held = self.held
+        for src in srcs:
+            held[src] -= 1
+        if self.paused:
+            for src in srcs:
+                if src in self.paused and held[src] <= HOLD_LOW:
+                    self.paused.discard(src)
+                    self.ep.resume(src)
 
     def _forget(self, seq: int) -> None:
         """Drop what is left for ``seq`` (duplicates, or the rest of a failed call)."""
         left = self.box.pop(seq, None)
         if left:
             self.dropped["stale"] += len(left)
-            for _, src in left:
-                self._release(src)
+            self._release([src for _, src in left])
 
     def _post(self, step: _plans.Step, seq: int, opcode: int, root: int) -> None:
         # one encoding per distinct object (a root often sends the same one to every peer)
@@ -415,7 +413,7 @@ class Core:
             else:
                 entry[1].append(dst)
         for obj, dsts in by_obj.values():
-            payload, bufs = self._encode(obj)
+            payload, bufs = w.dumps(obj, self.codec)
             msg = w.Message(w.COLL, self.rank, self.group_id, seq, step.round, opcode, root,
                             self.codec, payload, bufs)
             self.ep.send_many(dsts, w.encode(msg, self.key))
@@ -484,7 +482,7 @@ class Core:
         self.enter("send")
         t = self.timeout if timeout is None else float(timeout)
         try:
-            payload, bufs = self._encode(obj)
+            payload, bufs = w.dumps(obj, self.codec)
             n = self.p2p_out.get(dst, 1)
             msg = w.Message(w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT, self.codec,
                             payload, bufs)

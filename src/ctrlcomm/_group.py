@@ -14,9 +14,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _ops, _plans
 from . import _wire as w
@@ -48,8 +47,7 @@ log = logging.getLogger("ctrlcomm")
 # ------------------------------------------------------------------------- call specs
 
 
-@dataclass(frozen=True, slots=True)
-class _Call:
+class _Call(NamedTuple):
     name: str
     plan: Callable[[_plans.Ctx], _plans.Plan]
     opcode: int

@@ -134,8 +134,11 @@ def check_operand(op: Op, value: Any, opname: str, rank: int) -> None:
     if callable(op):
         return
     integral = op in ("band", "bor")
-
     plain = (int, bool) if integral else (int, bool, float)
+    t = type(value)
+    if t in plain or ((t is list or t is tuple) and len(value) <= 16
+                      and all(type(x) in plain for x in value)):
+        return  # the common case: a number or a few, nothing more to check
 
     def walk(v: Any) -> None:
         if type(v) in plain:  # the common case, without the slower ABC checks below
