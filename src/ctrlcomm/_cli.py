@@ -21,7 +21,11 @@ def _store(args: argparse.Namespace) -> int:
         logging.getLogger("ctrlcomm").warning(
             "the store binds every interface without CTRLCOMM_AUTH_KEY: anyone who reaches "
             "this host can read and write it")
-    srv = StoreServer(args.host, args.port, auth_key=key)
+    if args.encrypt and not key:
+        print("--encrypt needs CTRLCOMM_AUTH_KEY in the environment (the store's keys are "
+              "derived from it)", file=sys.stderr)
+        return 2
+    srv = StoreServer(args.host, args.port, auth_key=key, encrypt=args.encrypt)
     print(f"ctrlcomm store serving on {args.host}:{srv.port}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -97,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = sub.add_parser("store", help="run a rendezvous store alone")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=29600)
+    s.add_argument("--encrypt", action="store_true",
+                   help="CurveZMQ encryption (for groups made with encrypt=True)")
     s.set_defaults(func=_store)
 
     bp = sub.add_parser("bench", help="latency suite (spawns local ranks on loopback)")

@@ -36,6 +36,7 @@ from ._transport import (
     StoreServer,
     TcpEndpoint,
     check_bind_host,
+    curve_available,
     local_address_for,
     make_endpoint,
 )
@@ -224,14 +225,15 @@ _servers: dict[tuple[str, int], list[Any]] = {}  # (host, port) -> [server, refc
 _servers_lock = threading.Lock()
 
 
-def _acquire_server(host: str, port: int, key: bytes | None = None) -> StoreServer:
+def _acquire_server(host: str, port: int, key: bytes | None = None,
+                    encrypt: bool = False) -> StoreServer:
     with _servers_lock:
         entry = _servers.get((host, port))
         if entry is not None and entry[0].pid == os.getpid():
             entry[1] += 1
             _idle.pop((host, port), None)
             return entry[0]  # type: ignore[no-any-return]
-        srv = StoreServer(host, port, auth_key=key)
+        srv = StoreServer(host, port, auth_key=key, encrypt=encrypt)
         srv.pid = os.getpid()  # type: ignore[attr-defined]
         _servers[(host, port)] = [srv, 1]
         return srv
@@ -352,10 +354,11 @@ class Group:
         bind_host: str | None = None,
         codec: str = "pickle",
         auth_key: bytes | str | None = None,
-        transport: str = "tcp",
+        transport: str | None = None,
         zmq_context: Any = None,
         heartbeat_interval: float = 1.0,
         liveness_timeout: float | None = 5.0,
+        encrypt: bool = False,
     ) -> Group:
         """Form a group through the store at ``(host, port)``.
 
@@ -374,13 +377,20 @@ class Group:
                 Every frame and store request then carries a MAC over header and payload,
                 checked before anything is decoded: frames from anyone without the key are
                 dropped and counted, never unpickled.
-            transport: ``"tcp"`` (default: plain sockets, lowest latency) or ``"zmq"``
-                (ZeroMQ PUSH/PULL sockets).
+            transport: ``"tcp"`` (default without ``encrypt``: plain sockets, lowest
+                latency) or ``"zmq"`` (ZeroMQ PUSH/PULL sockets; the default with
+                ``encrypt``).
             zmq_context: with ``transport="zmq"``, the ZeroMQ context to make sockets from.
             heartbeat_interval: seconds between this rank's heartbeats to its peers.
             liveness_timeout: a peer silent this long (stopped, hung, cut off) is declared
                 lost by the ranks waiting for it; ``None`` turns liveness checks off. A peer
                 that dies is noticed sooner, from its closed connection.
+            encrypt: encrypt all group and store traffic with CurveZMQ, for untrusted
+                networks. Needs ``auth_key`` and ZeroMQ: each rank makes a key pair and
+                publishes its public key in the authenticated address table; the store's
+                key pair is derived from ``auth_key`` (so an external store runs with
+                ``ctrlcomm store --encrypt``). Heartbeats stay plain (MAC'd group id and
+                rank only).
 
         Raises:
             InvalidArgumentError: bad rank, world size, name, timeout or codec.
@@ -394,6 +404,8 @@ class Group:
                                        f"newlines, got {name!r}")
         t = _timeout_arg(timeout, "Group.create")
         assert t is not None
+        if transport is None:
+            transport = "zmq" if encrypt else "tcp"
         if transport not in ("tcp", "zmq"):
             raise InvalidArgumentError(f"unknown transport {transport!r}; use 'tcp' or 'zmq'")
         if codec not in CODECS:
@@ -407,6 +419,19 @@ class Group:
         if auth_key is None:
             auth_key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
+        encrypt = bool(encrypt)
+        if encrypt:
+            if not key:
+                raise InvalidArgumentError(
+                    "encrypt=True needs auth_key= (or CTRLCOMM_AUTH_KEY): encryption keys are "
+                    "exchanged through the authenticated store")
+            if transport != "zmq":
+                raise InvalidArgumentError(
+                    f"encrypt=True runs over ZeroMQ (CurveZMQ); transport={transport!r} "
+                    "cannot encrypt: use transport='zmq' or leave it unset")
+            if not curve_available():
+                raise InvalidArgumentError(
+                    "encrypt=True: this pyzmq's libzmq was built without CURVE support")
         if host_store is None:
             host_store = rank == 0
         deadline = time.monotonic() + t
@@ -416,11 +441,11 @@ class Group:
         if not float(heartbeat_interval) > 0:
             raise InvalidArgumentError(f"heartbeat_interval must be > 0, got "
                                        f"{heartbeat_interval!r}")
-        server = _acquire_server(host, port, key) if host_store else None
+        server = _acquire_server(host, port, key, encrypt) if host_store else None
         store = ep = hb = None
         try:
             store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/",
-                                auth_key=key)
+                                auth_key=key, encrypt=encrypt)
             if bind_host is None:
                 bind_host = local_address_for(host, port)
             else:
@@ -429,18 +454,27 @@ class Group:
                     log.warning("group %r binds every interface (%r) without an auth_key: "
                                 "anyone who reaches this host can send frames to it",
                                 name, bind_host)
-            ep = make_endpoint(transport, bind_host, zmq_context=zmq_context)
+            ep = make_endpoint(transport, bind_host, zmq_context=zmq_context, encrypt=encrypt)
             hb = Heartbeat(bind_host, 0, rank, key or None, float(heartbeat_interval))
-            # "tcp-endpoint udp-port [unix:name@host]": the last where this host has one
-            me = " ".join(filter(None, (ep.address, str(hb.port),
-                                        getattr(ep, "local_address", ""))))
+            # "endpoint udp-port [unix:name@host] [curve:public-key]": this rank's line of the
+            # address table; the optional fields where this host has Unix sockets, or the
+            # group encrypts
+            local = getattr(ep, "local_address", "")
+            curve = getattr(ep, "curve_public", b"")
+            me = " ".join(filter(None, (ep.address, str(hb.port), local,
+                                        "curve:" + curve.decode() if curve else "")))
             nonce, table = _rendezvous(store, me, rank, world_size, name, deadline)
             fields = {r: line.split(" ") for r, line in table.items()}
             peers = {r: f[0] for r, f in fields.items()}
+
+            def extra(prefix: str) -> dict[int, str]:
+                return {r: x for r, f in fields.items() for x in f[2:] if x.startswith(prefix)}
+
             if isinstance(ep, TcpEndpoint):
-                ep.set_peers(peers, {r: f[2] for r, f in fields.items() if len(f) > 2})
+                ep.set_peers(peers, extra("unix:"))
             else:
-                ep.set_peers(peers)
+                ep.set_peers(peers, {r: x[len("curve:"):].encode()
+                                     for r, x in extra("curve:").items()})
             gid = _group_id(name, nonce)
             hb.group_id = gid
             hb.start({r: (_host_of(peers[r]), int(line.split(" ")[1]))

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from . import _wire as w
-from ._errors import StoreError, StoreTimeoutError
+from ._errors import InvalidArgumentError, StoreError, StoreTimeoutError
 
 # Limits that keep a misbehaving client from growing the server without bound.
 MAX_KEY = 4096
@@ -198,12 +198,15 @@ class StoreClient:
     """
 
     def __init__(self, host: str, port: int, *, timeout: float = 300.0, prefix: str = "",
-                 auth_key: bytes | str | None = None) -> None:
+                 auth_key: bytes | str | None = None, encrypt: bool = False) -> None:
         from ._transport import StoreConnection
 
         self.host, self.port, self.timeout, self.prefix = host, int(port), float(timeout), prefix
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
-        self._conn = StoreConnection(host, int(port), key or None)
+        if encrypt and not key:
+            raise InvalidArgumentError("an encrypted store connection needs an auth_key")
+        self.encrypt = encrypt
+        self._conn = StoreConnection(host, int(port), key or None, encrypt)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -220,8 +223,10 @@ class StoreClient:
             req = w.StoreRequest(op, next(self._ids) & 0xFFFFFFFF, wait, tuple(keys), tuple(values))
             rep = self._conn.request(req, deadline=time.monotonic() + t)
         if rep is None:
+            hint = (" (with encryption on, a store that runs without it, or with another "
+                    "key, never answers)") if self.encrypt else ""
             raise StoreTimeoutError(
-                f"store at {self.host}:{self.port} did not answer within {t:g} s")
+                f"store at {self.host}:{self.port} did not answer within {t:g} s{hint}")
         if rep.status == w.R_ERROR:
             raise StoreError(f"store at {self.host}:{self.port} refused the request: "
                              f"{rep.values[0].decode(errors='replace') if rep.values else ''}")

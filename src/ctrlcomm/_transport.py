@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+import zmq.utils.z85
 
 from . import _wire as w
 from ._errors import CtrlcommError, StoreError, WireError
@@ -99,6 +100,34 @@ def check_bind_host(host: str) -> None:
         socket.getaddrinfo(host, None)
 
 
+# ------------------------------------------------------------------ CurveZMQ encryption
+
+
+def curve_available() -> bool:
+    return bool(zmq.has("curve"))
+
+
+def store_curve_keys(key: bytes) -> tuple[bytes, bytes]:
+    """The store's CurveZMQ key pair (public, secret; Z85), derived from the group's shared
+    key: every client can then check it talks to the real store, and nothing but the shared
+    key has to be distributed."""
+    seed = hashlib.blake2b(key, person=b"ctrlcomm-store", digest_size=32).digest()
+    secret = zmq.utils.z85.encode(seed)
+    return zmq.curve_public(secret), secret
+
+
+def _curve_client(sock: zmq.Socket[Any], server_public: bytes) -> None:
+    public, secret = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
+def _curve_server(sock: zmq.Socket[Any], secret: bytes) -> None:
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
 async def _readable(fd: int, timeout: float) -> None:
     """Return when ``fd`` is readable or ``timeout`` seconds pass, through the running event
     loop (a reader callback: no thread, no polling)."""
@@ -131,11 +160,18 @@ class ZmqEndpoint:
 
     def __init__(self, bind_host: str, *, ipv6: bool = False,
                  on_lost: Callable[[int, str, bool], None] | None = None,
-                 zmq_context: zmq.Context[Any] | None = None) -> None:
+                 zmq_context: zmq.Context[Any] | None = None, encrypt: bool = False) -> None:
         ctx = zmq_context or context()
         self._ctx = ctx
         self.rx = ctx.socket(zmq.PULL)
         self.rx.setsockopt(zmq.LINGER, 0)
+        # CurveZMQ: this rank's key pair; peers learn the public key from the (authenticated)
+        # address table and check that they talk to this rank; traffic is encrypted
+        self.curve_public = b""
+        self.peer_keys: dict[int, bytes] = {}
+        if encrypt:
+            self.curve_public, secret = zmq.curve_keypair()
+            _curve_server(self.rx, secret)
         self.rx.setsockopt(zmq.RCVHWM, HWM)
         self.rx.setsockopt(zmq.MAXMSGSIZE, 1 << 34)
         if ipv6 or ":" in bind_host:
@@ -156,8 +192,10 @@ class ZmqEndpoint:
         # ZeroMQ reconnects silently: a lost peer is not reported by this transport
         self.on_lost = on_lost
 
-    def set_peers(self, peers: dict[int, str]) -> None:
+    def set_peers(self, peers: dict[int, str], curve_keys: dict[int, bytes] | None = None
+                  ) -> None:
         self.peers = dict(peers)
+        self.peer_keys = dict(curve_keys or {})
 
     def _sock(self, dst: int) -> zmq.Socket[Any]:
         s = self.tx.get(dst)
@@ -165,6 +203,10 @@ class ZmqEndpoint:
             s = self._ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, LINGER_MS)
             s.setsockopt(zmq.SNDHWM, HWM)
+            if self.curve_public:
+                if dst not in self.peer_keys:
+                    raise CtrlcommError(f"rank {dst} published no encryption key")
+                _curve_client(s, self.peer_keys[dst])
             if _is_v6(self.peers[dst]):
                 s.setsockopt(zmq.IPV6, 1)
             s.connect(self.peers[dst])
@@ -242,10 +284,14 @@ def _plain_reply(frames: Sequence[Any], req_id: int) -> bool:
 class StoreConnection:
     """One client connection to a store."""
 
-    def __init__(self, host: str, port: int, key: bytes | None = None) -> None:
+    def __init__(self, host: str, port: int, key: bytes | None = None,
+                 encrypt: bool = False) -> None:
         self.key = key
         self.sock = context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if encrypt:
+            assert key, "encryption needs the shared key"
+            _curve_client(self.sock, store_curve_keys(key)[0])
         # a fixed identity across reconnections lets the server recognise a resent request
         self.sock.setsockopt(zmq.ROUTING_ID, b"c" + os.urandom(15))
         self.addr = _tcp(host, port)
@@ -302,14 +348,21 @@ class StoreServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  listen_socket: socket.socket | None = None,
-                 auth_key: bytes | str | None = None) -> None:
+                 auth_key: bytes | str | None = None, encrypt: bool = False) -> None:
         from ._store import StoreState
 
         ctx = context()
         self.host = host
         self.key = auth_key.encode() if isinstance(auth_key, str) else auth_key
+        if encrypt and not self.key:
+            raise CtrlcommError("an encrypted store needs an auth_key (its CurveZMQ keys are "
+                                "derived from it)")
+        self.encrypt = encrypt
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if encrypt:
+            assert self.key
+            _curve_server(self.sock, store_curve_keys(self.key)[1])
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if listen_socket is not None:
             # serve from a socket the caller already bound (and so reserved) at host:port;
@@ -952,11 +1005,11 @@ def _linger(conns: list[_Conn], close: bool = True) -> None:
 
 def make_endpoint(transport: str, bind_host: str,
                   on_lost: Callable[[int, str, bool], None] | None = None,
-                  zmq_context: Any = None) -> TcpEndpoint | ZmqEndpoint:
+                  zmq_context: Any = None, encrypt: bool = False) -> TcpEndpoint | ZmqEndpoint:
     if transport == "tcp":
         return TcpEndpoint(bind_host, on_lost=on_lost)
     if transport == "zmq":
-        return ZmqEndpoint(bind_host, on_lost=on_lost, zmq_context=zmq_context)
+        return ZmqEndpoint(bind_host, on_lost=on_lost, zmq_context=zmq_context, encrypt=encrypt)
     raise ValueError(f"unknown transport {transport!r}")
 
 

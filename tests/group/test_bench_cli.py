@@ -1,6 +1,7 @@
 """`ctrlcomm bench` runs, compares and writes what it says it writes (tiny iteration counts)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -24,7 +25,10 @@ def test_bench_local_with_aio_json_and_comparison(tmp_path):
     systems = {r["system"] for r in rows}
     assert {"ctrlcomm", "ctrlcomm-aio", "store"} <= systems
     for r in rows:
-        assert r["median_us"] > 0 and r["p99_us"] >= r["median_us"] and 0 <= r["cpu_frac"] < 1.5
+        # process CPU counts every thread (heartbeats, ZeroMQ's I/O thread): over a few
+        # short calls it can exceed the wall time, never the wall time on every CPU
+        assert r["median_us"] > 0 and r["p99_us"] >= r["median_us"]
+        assert 0 <= r["cpu_frac"] <= (os.cpu_count() or 1) + 0.5
     again = run("--from-json", str(out))
     assert again.returncode == 0 and "barrier" in again.stdout
 

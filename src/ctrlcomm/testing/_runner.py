@@ -126,6 +126,8 @@ def run_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     from .._transport import StoreServer
 
-    with StoreServer("127.0.0.1", 0, auth_key=(group_kwargs or {}).get("auth_key")) as srv:
+    gk = group_kwargs or {}
+    with StoreServer("127.0.0.1", 0, auth_key=gk.get("auth_key"),
+                     encrypt=bool(gk.get("encrypt"))) as srv:
         return run_ranks(_group_child, world_size, fn, srv.port, group_kwargs or {}, args,
                          timeout=timeout)
