@@ -168,13 +168,14 @@ async def _measure_async(calls: Mapping[str, Callable[[Any], Any]], sync: Callab
 
 
 def system_ctrlcomm(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None],
-                    aio: bool = False) -> dict[tuple[str, int], dict[str, Any]]:
+                    aio: bool = False, **group_kwargs: Any
+                    ) -> dict[tuple[str, int], dict[str, Any]]:
     from . import Group
 
     plan = op_sizes(cfg["ops"], cfg["sizes"])
     with Group.create(cfg["host"], cfg["port"], rank, n, name=f"bench{cfg['tag']}",
                       host_store=cfg["host_store"] and rank == 0, timeout=120,
-                      transport=cfg.get("transport", "tcp")) as g:
+                      transport=cfg.get("transport", "tcp"), **group_kwargs) as g:
         if aio:
             return asyncio.run(_measure_async(_ctrlcomm_calls(g, g.aio, rank, n), g.aio.barrier,
                                               plan, rank, cfg["iters"], cfg["warmup"], progress))
@@ -187,9 +188,26 @@ def system_ctrlcomm_aio(rank: int, n: int, cfg: dict[str, Any],
     return system_ctrlcomm(rank, n, cfg, progress, aio=True)
 
 
+def system_ctrlcomm_nohb(rank: int, n: int, cfg: dict[str, Any],
+                         progress: Callable[[str, int], None]) -> dict[tuple[str, int], Any]:
+    """ctrlcomm without heartbeats (liveness checks off, the heartbeat thread asleep)."""
+    return system_ctrlcomm(rank, n, cfg, progress, heartbeat_interval=3600.0,
+                           liveness_timeout=None)
+
+
+def system_ctrlcomm_hb10ms(rank: int, n: int, cfg: dict[str, Any],
+                           progress: Callable[[str, int], None]) -> dict[tuple[str, int], Any]:
+    """ctrlcomm with a heartbeat every 10 ms (a hundred times the default rate)."""
+    return system_ctrlcomm(rank, n, cfg, progress, heartbeat_interval=0.01,
+                           liveness_timeout=1.0)
+
+
 SYSTEMS: dict[str, Callable[..., dict[tuple[str, int], dict[str, Any]]]] = {
     "ctrlcomm": system_ctrlcomm,
     "ctrlcomm-aio": system_ctrlcomm_aio,
+    # to measure what liveness costs: --against ctrlcomm-nohb,ctrlcomm-hb10ms
+    "ctrlcomm-nohb": system_ctrlcomm_nohb,
+    "ctrlcomm-hb10ms": system_ctrlcomm_hb10ms,
 }
 
 

@@ -63,9 +63,10 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         from ._baselines import missing
 
+        known = ("gloo", "mpi", "store", "star", "ctrlcomm-nohb", "ctrlcomm-hb10ms")
         for other in [a.strip() for a in (args.against or "").split(",") if a.strip()]:
-            if other not in ("gloo", "mpi", "store", "star"):
-                print(f"unknown system {other!r} in --against (gloo, mpi, store, star)",
+            if other not in known:
+                print(f"unknown system {other!r} in --against ({', '.join(known)})",
                       file=sys.stderr)
                 return 2
             why = missing(other)
@@ -119,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bp.add_argument("--aio", action="store_true",
                     help="also run the awaited (asyncio) variant, in its own column")
     bp.add_argument("--against", help="compare with: gloo,mpi,store,star (star: all_reduce "
-                                      "as Megatron's original; added with gloo)")
+                                      "as Megatron's original; added with gloo); "
+                                      "ctrlcomm-nohb, ctrlcomm-hb10ms: ctrlcomm without "
+                                      "heartbeats, with one every 10 ms")
     bp.add_argument("--plot", help="write a PNG plot (needs matplotlib)")
     bp.add_argument("--from-json", help="show the table (and --plot) of a saved run; run nothing")
     bp.add_argument("--transport", default="tcp", choices=["tcp", "zmq"])
