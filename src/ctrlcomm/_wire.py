@@ -168,7 +168,15 @@ class _OutOfBand:
         self.obj = obj
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        if type(self.obj) is bytes:
+            return _bytes_of, (pickle.PickleBuffer(self.obj),)
         return type(self.obj), (pickle.PickleBuffer(self.obj),)
+
+
+def _bytes_of(buf: Any) -> bytes:
+    """Unpickles an out-of-band bytes object: the received frame itself when it is one (the
+    unpickler hands over the buffer object it was given), so 1 MiB is not copied again."""
+    return buf if type(buf) is bytes else bytes(buf)
 
 
 def _wrap_large(obj: Any, depth: int = 0) -> Any:
@@ -199,6 +207,10 @@ def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
             return True
 
         try:
+            if type(obj) in (bytes, bytearray) and len(obj) >= OOB_THRESHOLD:
+                # a large buffer alone: straight out of band, without pickling it in band first
+                return pickle.dumps(_OutOfBand(obj), protocol=5, buffer_callback=keep_large), \
+                    tuple(bufs)
             data = pickle.dumps(obj, protocol=5, buffer_callback=keep_large)
             if len(data) >= OOB_THRESHOLD:
                 # large bytes/bytearray are pickled in band; pickle again, passing them out
@@ -457,9 +469,10 @@ class StreamDecoder:
                 break
             p = pos + self._head
             frames = []
-            for ln in self._lens:
-                frames.append(bytes(buf[p : p + ln]))
-                p += ln
+            with memoryview(buf) as view:  # a slice of the view: one copy, not two
+                for ln in self._lens:
+                    frames.append(bytes(view[p : p + ln]))
+                    p += ln
             out.append(frames)
             pos += total
             self._lens = None

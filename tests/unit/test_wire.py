@@ -170,3 +170,15 @@ def test_good_messages_before_garbage_are_kept():
     assert isinstance(d.error, WireError)
     with pytest.raises(WireError):
         d.feed(b"more")
+
+
+def test_large_bytes_alone_go_out_of_band_and_load_without_a_copy():
+    big = bytes(range(256)) * 4096  # 1 MiB
+    payload, bufs = w.dumps(big, w.PICKLE)
+    assert len(payload) < 100 and len(bufs) == 1 and memoryview(bufs[0]).nbytes == len(big)
+    frame = bytes(bufs[0])  # what the receiver's decoder hands over
+    got = w.loads(payload, (frame,), w.PICKLE)
+    assert got == big and got is frame  # the frame itself: no second copy
+    payload, bufs = w.dumps(bytearray(big), w.PICKLE)
+    got = w.loads(payload, (bytes(bufs[0]),), w.PICKLE)
+    assert type(got) is bytearray and got == big
