@@ -247,6 +247,9 @@ class Core:
             )
 
     def pump(self) -> None:
+        if self.ep.closed:  # closed by another task while a call waited
+            raise GroupClosedError(f"group {self.name!r} (rank {self.rank}) was closed "
+                                   "during the call")
         self.ep.drain(self._accept)
 
     def describe_state(self) -> str:

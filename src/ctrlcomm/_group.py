@@ -230,9 +230,14 @@ def _acquire_server(host: str, port: int, key: bytes | None = None,
     with _servers_lock:
         entry = _servers.get((host, port))
         if entry is not None and entry[0].pid == os.getpid():
+            srv = entry[0]
+            if (srv.key or None, srv.encrypt) != (key or None, encrypt):
+                raise InvalidArgumentError(
+                    f"the store this process serves on {host}:{port} runs with another "
+                    "auth_key or encryption setting than this group asks for")
             entry[1] += 1
             _idle.pop((host, port), None)
-            return entry[0]  # type: ignore[no-any-return]
+            return srv  # type: ignore[no-any-return]
         srv = StoreServer(host, port, auth_key=key, encrypt=encrypt)
         srv.pid = os.getpid()  # type: ignore[attr-defined]
         _servers[(host, port)] = [srv, 1]
@@ -473,8 +478,12 @@ class Group:
             if isinstance(ep, TcpEndpoint):
                 ep.set_peers(peers, extra("unix:"))
             else:
-                ep.set_peers(peers, {r: x[len("curve:"):].encode()
-                                     for r, x in extra("curve:").items()})
+                keys = {r: x[len("curve:"):].encode() for r, x in extra("curve:").items()}
+                if encrypt and len(keys) < world_size:
+                    raise FormationError(
+                        f"group {name!r}: ranks {sorted(set(range(world_size)) - set(keys))} "
+                        "published no encryption key (were they created without encrypt=True?)")
+                ep.set_peers(peers, keys)
             gid = _group_id(name, nonce)
             hb.group_id = gid
             hb.start({r: (_host_of(peers[r]), int(line.split(" ")[1]))

@@ -494,21 +494,24 @@ class _Conn:
 
 
 _PREFIX2 = struct.Struct("<2sHQQ")  # stream prefix of a two-frame message
+FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
 READ_CHUNK = 256 * 1024
 PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
 READ_BUDGET = 8 * 1024 * 1024  # per connection per drain, so one flooding peer cannot starve
 
 
 def host_id() -> str:
-    """Who can reach this process's abstract Unix sockets: the same kernel (boot id) and the
-    same network namespace (they are scoped to it). Empty where there are none (not Linux)."""
+    """Who can reach this process's abstract Unix sockets and is let in: the same kernel
+    (boot id), the same network namespace (they are scoped to it) and the same user (others
+    are refused: see :func:`_same_user`). Empty where there are none (not Linux)."""
     global _host_id
     if _host_id is None:
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
                 boot = f.read().strip()
             netns = os.stat("/proc/self/ns/net").st_ino
-            _host_id = hashlib.blake2b(f"{boot}/{netns}".encode(), digest_size=8).hexdigest()
+            _host_id = hashlib.blake2b(f"{boot}/{netns}/{os.getuid()}".encode(),
+                                       digest_size=8).hexdigest()
         except OSError:
             _host_id = ""
     return _host_id
@@ -524,10 +527,19 @@ def _local_mode() -> str:
 
 
 def _cpus() -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup (v2) CPU quota."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
 def use_local_sockets(local_ranks: int, cpus: int) -> bool:
@@ -574,18 +586,11 @@ class TcpEndpoint:
         self.usock: socket.socket | None = None
         self._local_mode = _local_mode()
         if self._local_mode != "0" and host_id():
-            us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            name = "ctrlcomm-" + os.urandom(12).hex()
-            try:
-                us.bind("\0" + name)
-                us.listen(512)
-            except OSError:
-                us.close()
-            else:
-                us.setblocking(False)
-                self.usock = us
+            made = _unix_listener()
+            if made is not None:
+                self.usock, name = made
                 self.local_address = f"unix:{name}@{host_id()}"
-                self.ep.register(us.fileno(), select.EPOLLIN)
+                self.ep.register(self.usock.fileno(), select.EPOLLIN)
         self.local_peers: dict[int, str] = {}
         self._lfds = (ls.fileno(), self.usock.fileno() if self.usock is not None else -2)
         self.fd = self.ep.fileno()
@@ -604,6 +609,7 @@ class TcpEndpoint:
         self._ready: list[tuple[int, int]] | None = None  # events seen by wait()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching self.fd
         self._waiter: asyncio.Future[None] | None = None
+        self._turn = 0.0  # when an awaited wait last went through the event loop
         _live.add(self)
 
     def set_peers(self, peers: dict[int, str], local: dict[int, str] | None = None) -> None:
@@ -636,12 +642,14 @@ class TcpEndpoint:
 
     def _connect(self, dst: int) -> _Conn:
         s = None
+        err = 0
         name = self.local_peers.get(dst)
         if name is not None:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.setblocking(False)
-            err = s.connect_ex("\0" + name)
-            if err not in (0, errno.EINPROGRESS, errno.EAGAIN):  # not there: TCP will tell
+            # a Unix connect completes at once or not at all (EAGAIN: the listener's queue is
+            # full); then TCP, which waits in the kernel, or says why the peer is unreachable
+            if s.connect_ex("\0" + name) != 0:
                 s.close()
                 s = None
         if s is None:
@@ -904,23 +912,34 @@ class TcpEndpoint:
         waiting call, or, when no call waits, unregisters it (it would fire again and again
         while the data waits unread)."""
         ready = self.ep.poll(0)
-        if ready:  # no need to go through the event loop (two of its iterations)
+        if ready:
+            # no need to go through the event loop (two of its iterations); but when the
+            # loop has not had a turn for FAIR_S, it gets one, so other tasks (and a
+            # cancellation) are not held up by a stream that keeps the socket ready
             self._ready = ready
+            now = time.monotonic()
+            if now - self._turn < FAIR_S:
+                return
+            self._turn = now
+            await asyncio.sleep(0)
             return
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._unwatch()
-            loop.add_reader(self.fd, self._on_readable)
+            loop.add_reader(self.fd, self._on_readable, loop)
             self._loop = loop
         fut = self._waiter = loop.create_future()
-        timer = loop.call_later(max(timeout, 0.0), self._on_readable)
+        timer = loop.call_later(max(timeout, 0.0), self._on_readable, loop)
         try:
             await fut
         finally:
             timer.cancel()
             self._waiter = None
+            self._turn = time.monotonic()
 
-    def _on_readable(self) -> None:
+    def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:  # a loop this endpoint has moved away from
+            return
         fut = self._waiter
         if fut is None:
             self._unwatch()
@@ -929,17 +948,27 @@ class TcpEndpoint:
 
     def _unwatch(self) -> None:
         loop, self._loop = self._loop, None
-        if loop is not None and not loop.is_closed():
-            try:
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        try:
+            if loop.is_running() and loop is not running:  # it runs in another thread
+                loop.call_soon_threadsafe(loop.remove_reader, self.fd)
+            else:
                 loop.remove_reader(self.fd)
-            except (RuntimeError, ValueError, OSError):  # closing, or from another thread
-                pass
+        except (RuntimeError, ValueError, OSError):  # the loop is closing
+            pass
 
     def close(self) -> None:
         """Close every socket; unsent data goes on in a short-lived thread (like a linger)."""
         if self.closed:
             return
         self.closed = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)  # a call waiting in another task looks again
         self._unwatch()
         for c in self.out.values():
             if c.pending and not c.connecting and c.sock.fileno() >= 0:
@@ -959,7 +988,25 @@ class TcpEndpoint:
                              name="ctrlcomm-linger").start()
 
 
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+def _unix_listener() -> tuple[socket.socket, str] | None:
+    """A listening abstract Unix socket with a random name, or None where there can be none
+    (a sandbox without Unix sockets, say: then TCP only)."""
+    name = "ctrlcomm-" + os.urandom(12).hex()
+    try:
+        us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        us.bind("\0" + name)
+        us.listen(512)
+        us.setblocking(False)
+    except OSError:
+        us.close()
+        return None
+    return us, name
+
+
+_PEERCRED = struct.Struct("iII")  # pid, uid, gid
 
 
 def _same_user(s: socket.socket) -> bool:

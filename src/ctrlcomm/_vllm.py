@@ -9,6 +9,7 @@ wait has a deadline, and a dead peer is an error naming it.
 
 from __future__ import annotations
 
+import os
 import socket as _socket
 from typing import Any
 
@@ -64,7 +65,8 @@ class StatelessProcessGroup:
         """
         server = None
         if rank == 0 and listen_socket is not None:
-            server = StoreServer(host, port, listen_socket=listen_socket)
+            server = StoreServer(host, port, listen_socket=listen_socket,
+                                 auth_key=os.environ.get("CTRLCOMM_AUTH_KEY") or None)
         try:
             g = Group.create(host, port, rank, world_size, name="stateless",
                              timeout=float(store_timeout),

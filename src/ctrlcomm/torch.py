@@ -78,7 +78,8 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
     info: list[Any] = [None]
     if rank == 0:
         host = hostname or _default_host()
-        server = StoreServer(host, 0)
+        key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
+        server = StoreServer(host, 0, auth_key=key, encrypt=bool(kwargs.get("encrypt")))
         info = [(host, server.port)]
     try:
         dist.broadcast_object_list(info, src=leader, group=pg)

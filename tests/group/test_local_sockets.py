@@ -125,3 +125,97 @@ def test_awaited_waits_do_not_spin_while_the_loop_idles():
     assert got == list(range(20))
     assert total == other == 10
     assert cpu < 0.3, f"the event loop used {cpu:.2f} s of CPU while idle for 1.2 s"
+
+
+def bogus_local_name(rank, size, port):
+    os.environ["CTRLCOMM_LOCAL_SOCKETS"] = "1"
+    with ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="bogus", timeout=30) as g:
+        if rank == 0:  # a Unix address nobody listens on: the connection falls back to TCP
+            g._core.ep.local_peers[1] = "ctrlcomm-nobody-listens-here"
+        got = g.all_gather(rank)
+        fams = sorted({c.sock.family.name for c in g._core.ep.out.values()})
+        g.barrier()
+        return got, fams
+
+
+def test_a_unix_connection_that_fails_falls_back_to_tcp():
+    (got0, fams0), (got1, fams1) = run_ranks(bogus_local_name, 2, free_port())
+    assert got0 == got1 == [0, 1]
+    assert fams0 == ["AF_INET"] and fams1 == ["AF_UNIX"]
+
+
+def other_users_host_id(q):
+    from ctrlcomm import _transport as t
+
+    t._host_id = None
+    os.setgid(65534)
+    os.setuid(65534)
+    q.put(t.host_id())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_other_users_have_another_host_id():
+    import multiprocessing as mp
+
+    from ctrlcomm._transport import host_id
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=other_users_host_id, args=(q,))
+    p.start()
+    theirs = q.get(timeout=30)
+    p.join(30)
+    assert theirs and theirs != host_id()  # so ranks of two users talk over TCP
+
+
+def streaming_peer(g):
+    """Rank 1 streams messages rank 0 does not wait for: rank 0's awaited recv must still let
+    its other coroutines run; then a close from another task ends a pending recv at once."""
+    if g.rank == 1:
+        end = time.monotonic() + 0.6
+        n = 0
+        chunk = b"x" * (256 * 1024)  # large: rank 0 always has more to read
+        while time.monotonic() < end:
+            g.send(chunk, dst=0, tag=5)
+            n += 1
+        g.send("done", dst=0, tag=9)
+        g.barrier()
+        time.sleep(1.5)  # alive while rank 0's pending recv is ended by its own close
+        return n
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.ensure_future(ticker())
+        got = await g.aio.recv(1, tag=9)
+        t.cancel()
+        await g.aio.barrier()
+
+        async def closer():
+            await asyncio.sleep(0.2)
+            g.close()
+
+        c = asyncio.ensure_future(closer())
+        t0 = time.monotonic()
+        try:
+            await g.aio.recv(1, tag=7, timeout=20)
+            err = None
+        except ctrlcomm.GroupClosedError as e:
+            err = str(e)
+        await c
+        return got, ticks, err, time.monotonic() - t0
+
+    return asyncio.run(main())
+
+
+def test_awaited_recv_lets_other_tasks_run_and_close_ends_it():
+    (got, ticks, err, waited), sent = run_group(streaming_peer, 2)
+    assert got == "done" and sent > 10
+    assert ticks >= 8, f"the ticker ran {ticks} times while rank 0 read the stream"
+    assert err is not None and "closed" in err and waited < 5
