@@ -126,7 +126,6 @@ class Core:
         self.hb = heartbeat
         self.liveness_timeout = liveness_timeout
         self._live_until = 0.0  # until then no peer's heartbeats can be overdue
-        self.barrier_call: Any = None  # the group's barrier call spec, made once
         endpoint.on_lost = self._lost
 
     def _lost(self, rank: int, why: str, certain: bool) -> None:

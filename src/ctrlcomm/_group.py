@@ -7,6 +7,7 @@ asyncio driver. Both views share one :class:`ctrlcomm._core.Core`, hence one seq
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import operator
@@ -119,12 +120,13 @@ def _encodable(core: Core, objs: Sequence[Any], op: str) -> None:
                 raise CodecError(f"{op} on rank {core.rank}: {e}") from None
 
 
+@functools.lru_cache(maxsize=64)
+def _barrier_call(size: int) -> _Call:
+    return _Call("barrier", choose("barrier", size), w.OP_CODE["barrier"])
+
+
 def _spec_barrier(core: Core) -> _Call:
-    call = core.barrier_call
-    if call is None:  # the same for every barrier of a group
-        call = core.barrier_call = _Call("barrier", choose("barrier", core.size),
-                                         w.OP_CODE["barrier"])
-    return call  # type: ignore[no-any-return]
+    return _barrier_call(core.size)  # the same for every barrier of a world size
 
 
 def _spec_broadcast(core: Core, obj: Any, src: int) -> _Call:

@@ -101,13 +101,8 @@ def _elementwise(leaf: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
     return leaf(a, b)
 
 
-_NAMED: dict[str, Callable[[Any, Any], Any]] = {}
-
-
 def resolve(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:
     """The combine function for ``op``; raises :class:`InvalidArgumentError` for bad ops."""
-    if type(op) is str and op in _NAMED:
-        return _NAMED[op]
     if callable(op):
         user = op
 
@@ -125,7 +120,6 @@ def resolve(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:
     def combine(a: Any, b: Any) -> Any:
         return _elementwise(leaf, a, b)
 
-    _NAMED[op] = combine
     return combine
 
 

@@ -493,7 +493,6 @@ class _Conn:
         self.paused = False
 
 
-_PREFIX2 = struct.Struct("<2sHQQ")  # stream prefix of a two-frame message
 FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
 READ_CHUNK = 256 * 1024
 PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
@@ -679,7 +678,7 @@ class TcpEndpoint:
         """Queue one message for each of ``dsts`` (framed once)."""
         if len(frames) == 2 and type(frames[0]) is bytes and type(frames[1]) is bytes \
                 and len(frames[1]) < COPY_THRESHOLD:  # the usual message: header and payload
-            one = _PREFIX2.pack(w.STREAM_MAGIC, 2, len(frames[0]), len(frames[1])) \
+            one = w.PREFIX2.pack(w.STREAM_MAGIC, 2, len(frames[0]), len(frames[1])) \
                 + frames[0] + frames[1]
             parts, total = [one], len(one)
         else:

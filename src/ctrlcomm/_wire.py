@@ -366,6 +366,7 @@ def stream_prefix(frames: Sequence[Any]) -> bytes:
 
 
 _PREFIX = {n: struct.Struct(f"<2sH{n}Q") for n in range(1, 5)}
+PREFIX2 = _PREFIX[2]  # the prefix of the usual message: header and payload
 
 
 def stream_prefix_lens(lens: Sequence[int]) -> bytes:
@@ -414,7 +415,7 @@ class StreamDecoder:
         end = view.nbytes
         pos = 0
         out = []
-        p2 = _PREFIX[2]
+        p2 = PREFIX2
         while pos < end:
             if end - pos < STREAM_HEAD.size:
                 return None
