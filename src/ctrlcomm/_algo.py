@@ -12,6 +12,7 @@ per collective, and ``CTRLCOMM_SMALL_WORLD`` the threshold (set them alike on ev
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -44,8 +45,9 @@ def _overrides() -> dict[str, str]:
 OVERRIDES = _overrides()
 
 
+@functools.lru_cache(maxsize=256)
 def choose(op: str, n: int) -> Callable[..., _plans.Plan]:
-    """The plan of collective ``op`` in a world of ``n`` ranks."""
+    """The plan of collective ``op`` in a world of ``n`` ranks (the same for every call)."""
     variants = VARIANTS[op]
     forced = OVERRIDES.get(op)
     if forced in variants:

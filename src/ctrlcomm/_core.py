@@ -29,7 +29,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _plans
 from . import _wire as w
@@ -41,7 +41,6 @@ from ._errors import (
     GroupClosedError,
     MismatchError,
     PeerLostError,
-    WireError,
 )
 from ._transport import Heartbeat, TcpEndpoint, ZmqEndpoint
 
@@ -76,16 +75,18 @@ def describe(op: int, root: int) -> str:
     return parts[0] + (f"({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
-class _Deadline:
-    """A call's deadline, and whether the ranks it waits for were asked what they are doing
-    (done once, PROBE_GRACE before the deadline, so the timeout error can say it)."""
+class Call(NamedTuple):
+    """A collective to run: its plan is called as ``plan(ctx, *args)``."""
 
-    __slots__ = ("deadline", "t", "probe_at", "probed")
+    name: str
+    plan: Callable[..., _plans.Plan]
+    args: tuple[Any, ...]
+    opcode: int
+    root: int = w.NO_ROOT
+    reduces: bool = False  # a reduction: the result may be an _ops.Failed, raised by the caller
 
-    def __init__(self, deadline: float, t: float) -> None:
-        self.deadline, self.t = deadline, t
-        self.probe_at = deadline - min(PROBE_GRACE, t / 10)
-        self.probed = False
+
+_ploads = w._ploads
 
 
 class Core:
@@ -126,7 +127,10 @@ class Core:
         self.hb = heartbeat
         self.liveness_timeout = liveness_timeout
         self._live_until = 0.0  # until then no peer's heartbeats can be overdue
+        self._probed = False  # whether the current call asked the ranks it waits for
         endpoint.on_lost = self._lost
+        endpoint.key = key
+        self._sink = self._accept
 
     def _lost(self, rank: int, why: str, certain: bool) -> None:
         text = f"is gone ({why}; its process died or exited without close())"
@@ -172,11 +176,10 @@ class Core:
 
     # ------------------------------------------------------------------------ receiving
 
-    def _accept(self, frames: list[Any]) -> int | None:
-        """Take one incoming message; returns its sender, or None if it was dropped."""
-        try:
-            m = w.decode(frames, self.key)
-        except WireError:
+    def _accept(self, m: w.Message | None) -> int | None:
+        """Take one incoming message (None: a malformed one); returns its sender, or None if
+        it was dropped."""
+        if m is None:
             self.dropped["malformed"] += 1
             return None
         if m.group_id != self.group_id:
@@ -249,7 +252,7 @@ class Core:
         if self.ep.closed:  # closed by another task while a call waited
             raise GroupClosedError(f"group {self.name!r} (rank {self.rank}) was closed "
                                    "during the call")
-        self.ep.drain(self._accept)
+        self.ep.drain(self._sink)
 
     def describe_state(self) -> str:
         a = self.active
@@ -308,22 +311,27 @@ class Core:
 
     # ------------------------------------------------------------------------ execution
 
-    def collective(self, name: str, plan: Callable[[_plans.Ctx], _plans.Plan], *,
-                   opcode: int, root: int = w.NO_ROOT, timeout: float | None) -> Wait:
-        """Run a plan to completion (a generator that yields seconds to wait).
+    def collective(self, call: Call, timeout: float | None) -> Wait:
+        """Run a call's plan to completion (a generator that yields seconds to wait).
 
-        Each step's sends go out at once; then its receives: one non-blocking read first
-        (measured: the messages are often there already, and a read is cheaper than a trip
-        through the driver), then waits, each followed by a read. This loop runs for every
-        call: it is kept flat.
+        Each step's sends go out at once; then its receives: what is in the mailbox already,
+        else waits, each followed by a read of every ready socket. (No non-blocking read
+        before the first wait: the driver's wait returns at once when a socket is ready, and
+        a rank that waits for a reply, as every non-root rank of a star does, would find
+        nothing.) This loop runs for every call: it is kept flat.
         """
-        self.enter(name)
+        name, opcode, root = call.name, call.opcode, call.root
+        if self.state != "open" or not self._lock.acquire(blocking=False):
+            self.enter(name)  # raises: closed, broken, or busy
+        self._owner = name
         seq = self.seq
-        self.seq += 1
+        self.seq = seq + 1
         self.active = (name, seq, opcode, root)
-        t = self.timeout if timeout is None else float(timeout)
+        t = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + t
+        self._probed = False
         box = self.box
+        ep = self.ep
         try:
             early = box.get(seq)
             if early:
@@ -331,26 +339,23 @@ class Core:
                     if (m.op, m.root) != (opcode, root):
                         self._set_mismatch(m)
                         break
-            gen = plan(self.ctx)
+            gen = call.plan(self.ctx, *call.args)
+            send = gen.send
             reply: dict[int, Any] | None = None
             while True:
                 try:
-                    step = gen.send(reply)  # type: ignore[arg-type]
+                    rnd, sends, recvs = send(reply)  # type: ignore[arg-type]
                 except StopIteration as e:
                     result = e.value
                     break
-                if step.sends:
-                    self._post(step, seq, opcode, root)
-                    if self.ep.unflushed:  # else nothing is queued: no backlog to wait out
-                        yield from self._backpressure([d for d, _ in step.sends], deadline, t,
+                if sends:
+                    self._post(sends, rnd, seq, opcode, root)
+                    if ep.unflushed:  # else nothing is queued: no backlog to wait out
+                        yield from self._backpressure([d for d, _ in sends], deadline, t,
                                                       name, seq)
-                recvs = step.recvs
+                reply = {}
                 if not recvs:
-                    reply = {}
                     continue
-                rnd = step.round
-                dl = None
-                self.pump()  # a non-blocking look first: often the messages are there
                 while True:
                     if self.mismatch is not None:
                         raise self.mismatch
@@ -361,13 +366,23 @@ class Core:
                         else list(recvs)
                     if not missing:
                         break
-                    if dl is None:
-                        dl = _Deadline(deadline, t)
-                    yield self._wait(missing, dl, name, seq)
-                    self.pump()
-                slot = box[seq]
-                reply = {s: self._decode(slot.pop((rnd, s)), name, seq) for s in recvs}
-                self._release(recvs)
+                    yield self._wait(missing, deadline, t, name, seq)
+                    if ep.closed:
+                        self.pump()  # raises
+                    ep.drain(self._sink)
+                held = self.held
+                for s in recvs:
+                    m = slot.pop((rnd, s))  # type: ignore[union-attr]
+                    held[s] -= 1
+                    if m.codec == w.PICKLE:
+                        try:
+                            reply[s] = _ploads(m.payload, buffers=m.buffers)
+                            continue
+                        except Exception:  # unpickling runs code: anything can come out
+                            pass  # _decode says what
+                    reply[s] = self._decode(m, name, seq)
+                if self.paused:
+                    self._resume_caught_up(recvs)
             self.last = (name, seq)
             return result
         except GeneratorExit:
@@ -382,7 +397,10 @@ class Core:
             self.brk(e)
             raise
         finally:
-            self._forget(seq)
+            left = box.pop(seq, None)
+            if left:  # duplicates, or the rest of a failed call
+                self.dropped["stale"] += len(left)
+                self._release([src for _, src in left])
             self.active = None
             self.mismatch = None
             self.waiting_for = []
@@ -394,33 +412,37 @@ class Core:
         for src in srcs:
             held[src] -= 1
         if self.paused:
-            for src in srcs:
-                if src in self.paused and held[src] <= HOLD_LOW:
-                    self.paused.discard(src)
-                    self.ep.resume(src)
+            self._resume_caught_up(srcs)
 
-    def _forget(self, seq: int) -> None:
-        """Drop what is left for ``seq`` (duplicates, or the rest of a failed call)."""
-        left = self.box.pop(seq, None)
-        if left:
-            self.dropped["stale"] += len(left)
-            self._release([src for _, src in left])
+    def _resume_caught_up(self, srcs: Sequence[int]) -> None:
+        for src in srcs:
+            if src in self.paused and self.held[src] <= HOLD_LOW:
+                self.paused.discard(src)
+                self.ep.resume(src)
 
-    def _post(self, step: _plans.Step, seq: int, opcode: int, root: int) -> None:
+    def _post(self, sends: tuple[tuple[int, Any], ...], rnd: int, seq: int, opcode: int,
+              root: int) -> None:
+        codec, key, ep = self.codec, self.key, self.ep
+        if len(sends) == 1:
+            dst, obj = sends[0]
+            payload, bufs = w.dumps(obj, codec)
+            ep.send_many((dst,), w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
+                                          root, codec, payload, bufs, key))
+            self.sent += 1
+            return
         # one encoding per distinct object (a root often sends the same one to every peer)
         by_obj: dict[int, tuple[Any, list[int]]] = {}
-        for dst, obj in step.sends:
+        for dst, obj in sends:
             entry = by_obj.get(id(obj))
             if entry is None:
                 by_obj[id(obj)] = (obj, [dst])
             else:
                 entry[1].append(dst)
         for obj, dsts in by_obj.values():
-            payload, bufs = w.dumps(obj, self.codec)
-            msg = w.Message(w.COLL, self.rank, self.group_id, seq, step.round, opcode, root,
-                            self.codec, payload, bufs)
-            self.ep.send_many(dsts, w.encode(msg, self.key))
-            self.sent += len(dsts)
+            payload, bufs = w.dumps(obj, codec)
+            ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
+                                        root, codec, payload, bufs, key))
+        self.sent += len(sends)
 
     def _backpressure(self, dsts: list[int], deadline: float, t: float, name: str,
                       seq: int | None) -> Wait:
@@ -442,7 +464,8 @@ class Core:
                 raise self._timeout(f"{name} (sending)", seq, t, full)
             yield min(deadline, suspect_at) - now
 
-    def _wait(self, missing: list[int], dl: _Deadline, name: str, seq: int | None) -> float:
+    def _wait(self, missing: list[int], deadline: float, t: float, name: str, seq: int | None
+              ) -> float:
         """Before one wait for ``missing`` ranks: raise if one is lost or the deadline passed,
         ask them what they are doing shortly before it; else the seconds to sleep (at most:
         the wait ends when something arrives)."""
@@ -454,19 +477,22 @@ class Core:
         self.waiting_for = missing
         now = time.monotonic()
         lost, suspect_at = self._check_lost(missing, now)
-        what = f"{name} #{seq}" if seq is not None else name
         if lost:
+            what = f"{name} #{seq}" if seq is not None else name
             raise PeerLostError(
                 f"{what} on group {self.name!r} cannot complete on rank {self.rank}: "
                 + "; ".join(f"rank {s} {self.gone[s]}" for s in lost), ranks=lost)
-        if now >= dl.deadline:
-            raise self._timeout(name, seq, dl.t, missing)
-        if not dl.probed and now >= dl.probe_at:
-            dl.probed = True
+        if now >= deadline:
+            raise self._timeout(name, seq, t, missing)
+        if self._probed:
+            return min(deadline, suspect_at) - now
+        probe_at = deadline - min(PROBE_GRACE, t / 10)
+        if now >= probe_at:
+            self._probed = True
             for s in missing:
                 self.status.pop(s, None)
                 self._send_raw(s, w.STATUS_REQ, b"")
-        return min(dl.deadline if dl.probed else dl.probe_at, suspect_at) - now
+        return min(deadline if self._probed else probe_at, suspect_at) - now
 
     def _timeout(self, name: str, seq: int | None, t: float, missing: list[int]
                  ) -> CollectiveTimeoutError:
@@ -502,7 +528,8 @@ class Core:
         self.enter("recv")
         t = self.timeout if timeout is None else float(timeout)
         name = f"recv(src={src}, tag={tag})"
-        dl = _Deadline(time.monotonic() + t, t)
+        deadline = time.monotonic() + t
+        self._probed = False
         self.active = (name, -1, 0, w.NO_ROOT)
         try:
             while True:
@@ -515,7 +542,7 @@ class Core:
                     return self._decode(m, name)
                 if self.state == "broken":
                     raise GroupBrokenError(str(self.cause)) from self.cause
-                yield self._wait([src], dl, name, None)
+                yield self._wait([src], deadline, t, name, None)
         finally:
             self.active = None
             self.waiting_for = []
@@ -574,4 +601,4 @@ async def run_async(core: Core, gen: Wait) -> Any:
         return e.value
 
 
-__all__ = ["Core", "run_sync", "run_async"]
+__all__ = ["Call", "Core", "run_sync", "run_async"]

@@ -15,13 +15,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 from . import _ops, _plans
 from . import _wire as w
 from ._algo import choose
-from ._core import Core, run_async, run_sync
+from ._core import Call, Core, run_async, run_sync
 from ._errors import (
     CodecError,
     FormationError,
@@ -47,14 +46,6 @@ log = logging.getLogger("ctrlcomm")
 
 
 # ------------------------------------------------------------------------- call specs
-
-
-class _Call(NamedTuple):
-    name: str
-    plan: Callable[[_plans.Ctx], _plans.Plan]
-    opcode: int
-    root: int = w.NO_ROOT
-    finish: Callable[[Any], Any] | None = None
 
 
 def _rank_arg(core: Core, value: Any, what: str, op: str) -> int:
@@ -120,44 +111,47 @@ def _encodable(core: Core, objs: Sequence[Any], op: str) -> None:
                 raise CodecError(f"{op} on rank {core.rank}: {e}") from None
 
 
+_NO_ARGS: tuple[Any, ...] = ()
+
+
 @functools.lru_cache(maxsize=64)
-def _barrier_call(size: int) -> _Call:
-    return _Call("barrier", choose("barrier", size), w.OP_CODE["barrier"])
+def _barrier_call(size: int) -> Call:
+    return Call("barrier", choose("barrier", size), _NO_ARGS, w.OP_CODE["barrier"])
 
 
-def _spec_barrier(core: Core) -> _Call:
+def _spec_barrier(core: Core) -> Call:
     return _barrier_call(core.size)  # the same for every barrier of a world size
 
 
-def _spec_broadcast(core: Core, obj: Any, src: int) -> _Call:
+def _spec_broadcast(core: Core, obj: Any, src: int) -> Call:
     root = _rank_arg(core, src, "src", "broadcast")
-    if core.rank == root:
+    if core.rank == root and core.codec == w.MSGPACK:
         _encodable(core, [obj], "broadcast")
     # only the root knows the payload; every rank must pick the same plan, so the size
     # test cannot depend on it: the small-world variant is flat whatever the size
-    plan = choose("broadcast", core.size)
-    return _Call("broadcast", lambda c: plan(c, obj, root), w.OP_CODE["broadcast"], root)
+    return Call("broadcast", choose("broadcast", core.size), (obj, root),
+                 w.OP_CODE["broadcast"], root)
 
 
-def _spec_gather(core: Core, obj: Any, dst: int) -> _Call:
+def _spec_gather(core: Core, obj: Any, dst: int) -> Call:
     root = _rank_arg(core, dst, "dst", "gather")
     _encodable(core, [obj], "gather")
-    plan = choose("gather", core.size)
-    return _Call("gather", lambda c: plan(c, obj, root), w.OP_CODE["gather"], root)
+    return Call("gather", choose("gather", core.size), (obj, root), w.OP_CODE["gather"], root)
 
 
-def _spec_all_gather(core: Core, obj: Any) -> _Call:
-    _encodable(core, [obj], "all_gather")
-    plan = choose("all_gather", core.size)
-    return _Call("all_gather", lambda c: plan(c, obj), w.OP_CODE["all_gather"])
+def _spec_all_gather(core: Core, obj: Any) -> Call:
+    if core.codec == w.MSGPACK:
+        _encodable(core, [obj], "all_gather")
+    return Call("all_gather", choose("all_gather", core.size), (obj,),
+                 w.OP_CODE["all_gather"])
 
 
-def _spec_scatter(core: Core, objs: Any, src: int) -> _Call:
+def _spec_scatter(core: Core, objs: Any, src: int) -> Call:
     root = _rank_arg(core, src, "src", "scatter")
     mine = _per_rank(core, objs, "scatter") if core.rank == root else None
     _encodable(core, mine or [], "scatter")
-    plan = choose("scatter", core.size)
-    return _Call("scatter", lambda c: plan(c, mine, root), w.OP_CODE["scatter"], root)
+    return Call("scatter", choose("scatter", core.size), (mine, root), w.OP_CODE["scatter"],
+                 root)
 
 
 _NAMED_REDUCTIONS: dict[tuple[str, str], tuple[Callable[[Any, Any], Any], int]] = {}
@@ -172,53 +166,49 @@ def _reduction(core: Core, name: str, obj: Any, op: Any) -> tuple[Callable[[Any,
         if type(op) is str:
             _NAMED_REDUCTIONS[(name, op)] = named
     _ops.check_operand(op, obj, name, core.rank)
-    _encodable(core, [obj], name)
+    if core.codec == w.MSGPACK:
+        _encodable(core, [obj], name)
     return named
 
 
-def _raise_failed(name: str, core: Core, result: Any) -> Any:
-    if isinstance(result, _ops.Failed):
-        raise ReductionError(f"{name} on group {core.name!r} failed (raised on every rank): "
-                             f"{result.message}")
-    return result
-
-
-def _spec_reduce(core: Core, obj: Any, op: Any, dst: int) -> _Call:
+def _spec_reduce(core: Core, obj: Any, op: Any, dst: int) -> Call:
     root = _rank_arg(core, dst, "dst", "reduce")
     combine, code = _reduction(core, "reduce", obj, op)
-
-    def finish(r: Any) -> Any:
-        return _raise_failed("reduce", core, r) if core.rank == root else None
-
-    plan = choose("reduce", core.size)
-    return _Call("reduce", lambda c: plan(c, obj, combine, root), code, root, finish)
+    # a rank other than the root returns None: nothing to raise there
+    return Call("reduce", choose("reduce", core.size), (obj, combine, root), code, root, True)
 
 
-def _spec_all_reduce(core: Core, obj: Any, op: Any) -> _Call:
+def _spec_all_reduce(core: Core, obj: Any, op: Any) -> Call:
     combine, code = _reduction(core, "all_reduce", obj, op)
-    plan = choose("all_reduce", core.size)
-    return _Call("all_reduce", lambda c: plan(c, obj, combine), code,
-                 finish=partial(_raise_failed, "all_reduce", core))
+    return Call("all_reduce", choose("all_reduce", core.size), (obj, combine), code,
+                 w.NO_ROOT, True)
 
 
-def _spec_all_to_all(core: Core, objs: Any) -> _Call:
+def _spec_all_to_all(core: Core, objs: Any) -> Call:
     mine = _per_rank(core, objs, "all_to_all")
     _encodable(core, mine, "all_to_all")
-    return _Call("all_to_all", lambda c: _plans.all_to_all(c, mine), w.OP_CODE["all_to_all"])
+    return Call("all_to_all", _plans.all_to_all, (mine,), w.OP_CODE["all_to_all"])
 
 
-def _run_sync(core: Core, call: _Call, timeout: float | None) -> Any:
-    t = _timeout_arg(timeout, call.name)
-    r = run_sync(core, core.collective(call.name, call.plan, opcode=call.opcode, root=call.root,
-                                       timeout=t))
-    return call.finish(r) if call.finish else r
+def _failed(call: Call, core: Core, result: _ops.Failed) -> ReductionError:
+    return ReductionError(f"{call.name} on group {core.name!r} failed (raised on every rank): "
+                          f"{result.message}")
 
 
-async def _run_async(core: Core, call: _Call, timeout: float | None) -> Any:
-    t = _timeout_arg(timeout, call.name)
-    r = await run_async(core, core.collective(call.name, call.plan, opcode=call.opcode,
-                                              root=call.root, timeout=t))
-    return call.finish(r) if call.finish else r
+def _run_sync(core: Core, call: Call, timeout: float | None) -> Any:
+    r = run_sync(core, core.collective(call, None if timeout is None
+                                       else _timeout_arg(timeout, call.name)))
+    if call.reduces and type(r) is _ops.Failed:
+        raise _failed(call, core, r)
+    return r
+
+
+async def _run_async(core: Core, call: Call, timeout: float | None) -> Any:
+    r = await run_async(core, core.collective(call, None if timeout is None
+                                              else _timeout_arg(timeout, call.name)))
+    if call.reduces and type(r) is _ops.Failed:
+        raise _failed(call, core, r)
+    return r
 
 
 # ------------------------------------------------------------------------ store hosting

@@ -130,9 +130,14 @@ def check_operand(op: Op, value: Any, opname: str, rank: int) -> None:
     integral = op in ("band", "bor")
     plain = (int, bool) if integral else (int, bool, float)
     t = type(value)
-    if t in plain or ((t is list or t is tuple) and len(value) <= 16
-                      and all(type(x) in plain for x in value)):
-        return  # the common case: a number or a few, nothing more to check
+    if t in plain:
+        return  # the common case: a number, or (below) a few, nothing more to check
+    if (t is list or t is tuple) and len(value) <= 16:
+        for x in value:
+            if type(x) not in plain:
+                break
+        else:
+            return
 
     def walk(v: Any) -> None:
         if type(v) in plain:  # the common case, without the slower ABC checks below

@@ -55,7 +55,7 @@ def barrier(ctx: Ctx) -> Plan:
     n, r = ctx.size, ctx.rank
     for k in range(_ceil_log2(n)):
         d = 1 << k
-        yield Step(k, sends=(((r + d) % n, None),), recvs=((r - d) % n,))
+        yield Step(k, (((r + d) % n, None),), ((r - d) % n,))
     return None
 
 
@@ -153,7 +153,7 @@ def all_reduce_flat(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> P
     if n == 1:
         return obj
     peers = tuple(p for p in range(n) if p != r)
-    got = yield Step(0, sends=tuple((p, obj) for p in peers), recvs=peers)
+    got = yield Step(0, tuple((p, obj) for p in peers), peers)
     got[r] = obj
     acc = got[0]
     for p in range(1, n):
@@ -243,36 +243,39 @@ def barrier_star(ctx: Ctx) -> Plan:
     return None
 
 
+# Both directions of a star use round 0: rank 0 receives (0, p) from each p != 0 and every
+# other rank receives (0, 0), so they cannot be confused; a non-root rank then sends and
+# receives in one step (one trip through the plan instead of two).
+
+
 def all_reduce_star(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> Plan:
     """Everyone sends to rank 0, which combines in rank order and sends the result back."""
     n, r = ctx.size, ctx.rank
+    if r:
+        got = yield Step(0, ((0, obj),), (0,))
+        return got[0]
     if n == 1:
         return obj
-    if r == 0:
-        got = yield Step(0, recvs=tuple(range(1, n)))
-        acc = obj
-        for p in range(1, n):
-            acc = combine(acc, got[p])
-        yield Step(1, sends=tuple((p, acc) for p in range(1, n)))
-        return acc
-    yield Step(0, sends=((0, obj),))
-    got = yield Step(1, recvs=(0,))
-    return got[0]
+    got = yield Step(0, recvs=tuple(range(1, n)))
+    acc = obj
+    for p in range(1, n):
+        acc = combine(acc, got[p])
+    yield Step(0, sends=tuple((p, acc) for p in range(1, n)))
+    return acc
 
 
 def all_gather_star(ctx: Ctx, obj: Any) -> Plan:
     n, r = ctx.size, ctx.rank
+    if r:
+        got = yield Step(0, ((0, obj),), (0,))
+        return got[0]
     if n == 1:
         return [obj]
-    if r == 0:
-        got = yield Step(0, recvs=tuple(range(1, n)))
-        got[0] = obj
-        out = [got[i] for i in range(n)]
-        yield Step(1, sends=tuple((p, out) for p in range(1, n)))
-        return out
-    yield Step(0, sends=((0, obj),))
-    got = yield Step(1, recvs=(0,))
-    return got[0]
+    got = yield Step(0, recvs=tuple(range(1, n)))
+    got[0] = obj
+    out = [got[i] for i in range(n)]
+    yield Step(0, sends=tuple((p, out) for p in range(1, n)))
+    return out
 
 
 def broadcast_flat(ctx: Ctx, obj: Any, root: int) -> Plan:

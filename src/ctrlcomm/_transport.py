@@ -189,6 +189,7 @@ class ZmqEndpoint:
         self._poller = zmq.Poller()
         self._poller.register(self.rx, zmq.POLLIN)
         self.closed = False
+        self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
         # ZeroMQ reconnects silently: a lost peer is not reported by this transport
         self.on_lost = on_lost
 
@@ -236,8 +237,10 @@ class ZmqEndpoint:
     def resume(self, src: int) -> None:
         pass
 
-    def drain(self, sink: Callable[[list[Any]], int | None], limit: int = 1 << 30) -> int:
-        """Receive every message waiting now and hand each to ``sink``. Returns the count."""
+    def drain(self, sink: Callable[[w.Message | None], int | None], limit: int = 1 << 30
+              ) -> int:
+        """Receive every message waiting now and hand each to ``sink``, decoded (``None``
+        for a malformed or unauthenticated one). Returns the count."""
         n = 0
         rx = self.rx
         while n < limit:
@@ -246,7 +249,7 @@ class ZmqEndpoint:
             except zmq.Again:
                 break
             n += 1
-            sink(frames)
+            sink(w.decode_or_none(frames, self.key))
         return n
 
     def wait(self, timeout: float) -> None:
@@ -493,6 +496,7 @@ class _Conn:
         self.paused = False
 
 
+_PREFIX2, _STREAM_MAGIC = w.PREFIX2, w.STREAM_MAGIC
 FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
 READ_CHUNK = 256 * 1024
 PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
@@ -601,6 +605,7 @@ class TcpEndpoint:
         self.inbound = 0
         self.dropped: dict[str, int] = {}
         self.closed = False
+        self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
         # one receive buffer, reused: recv(n) would allocate (and for large n, mmap) n bytes
         self._rbuf = bytearray(READ_CHUNK)
         self._rview = memoryview(self._rbuf)
@@ -676,18 +681,32 @@ class TcpEndpoint:
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""
-        if len(frames) == 2 and type(frames[0]) is bytes and type(frames[1]) is bytes \
-                and len(frames[1]) < COPY_THRESHOLD:  # the usual message: header and payload
-            one = w.PREFIX2.pack(w.STREAM_MAGIC, 2, len(frames[0]), len(frames[1])) \
-                + frames[0] + frames[1]
-            parts, total = [one], len(one)
-        else:
-            lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
-            prefix = w.stream_prefix_lens(lens)
-            total = sum(lens) + len(prefix)
-            # a small message goes as one buffer (cheaper to send and, queued, to keep)
-            parts = [prefix, *frames] if total >= COPY_THRESHOLD \
-                else [b"".join([prefix, *frames])]
+        if len(frames) == 2 and type(frames[1]) is bytes and type(frames[0]) is bytes \
+                and (b := len(frames[1])) < COPY_THRESHOLD:  # the usual: header and payload
+            head = frames[0]
+            one = _PREFIX2.pack(_STREAM_MAGIC, 2, len(head), b) + head + frames[1]
+            out = self.out
+            for dst in dsts:
+                c = out.get(dst)
+                if c is None or c.pending or c.connecting:
+                    self._send_parts(dst, [one], len(one))
+                    continue
+                try:
+                    n = c.sock.send(one)
+                except BlockingIOError:
+                    n = 0
+                except OSError as e:
+                    if c.sock.fileno() >= 0:  # else lost already: the core knows
+                        self._lose(c, f"send failed: {e.strerror or e}")
+                    continue
+                if n < len(one):
+                    self._queue(c, [one], n)
+            return
+        lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
+        prefix = w.stream_prefix_lens(lens)
+        total = sum(lens) + len(prefix)
+        # a small message goes as one buffer (cheaper to send and, queued, to keep)
+        parts = [prefix, *frames] if total >= COPY_THRESHOLD else [b"".join([prefix, *frames])]
         for dst in dsts:
             self._send_parts(dst, parts, total)
 
@@ -817,42 +836,47 @@ class TcpEndpoint:
             self.inbound += 1
             self._register(c, select.EPOLLIN)
 
-    def _read(self, c: _Conn, sink: Callable[[list[Any]], int | None]) -> int:
+    def _read(self, c: _Conn, sink: Callable[[w.Message | None], int | None]) -> int:
         n = budget = 0
-        assert c.decoder is not None
+        dec = c.decoder
+        assert dec is not None
         view = self._rview
+        recv_into = c.sock.recv_into
         while budget < READ_BUDGET:
             try:
-                got = c.sock.recv_into(view)
+                got = recv_into(view)
             except (BlockingIOError, InterruptedError):
                 return n
             except OSError as e:
-                got = 0
-                why = f"connection failed: {e.strerror or e}"
-            else:
-                why = "connection closed"
+                self._lose(c, f"connection failed: {e.strerror or e}")
+                return n
             if not got:
-                self._lose(c, why)
+                self._lose(c, "connection closed")
                 return n
             budget += got
             try:
-                msgs = c.decoder.feed(view[:got])
+                msgs = dec.messages(view[:got], self.key)
             except WireError:
                 self._count("malformed_stream")
                 self._drop_conn(c)
                 return n
-            for frames in msgs:
-                n += 1
-                src = sink(frames)
-                if src is not None and c.rank is None:
-                    if any(o.inbound and o.rank == src for o in self.conns.values()):
-                        # each peer sends on one connection: a second one claiming the same
-                        # rank is a replay or an impostor, and its end must not mean a loss
-                        self._count("duplicate_source")
-                        self._drop_conn(c)
-                        return n
-                    c.rank = src
-            if c.decoder.error is not None:
+            n += len(msgs)
+            if c.rank is not None:
+                for m in msgs:
+                    sink(m)
+            else:  # a new connection: its first good message says which peer sends on it
+                for m in msgs:
+                    src = sink(m)
+                    if src is not None and c.rank is None:
+                        if any(o.inbound and o.rank == src for o in self.conns.values()):
+                            # each peer sends on one connection: a second one claiming the
+                            # same rank is a replay or an impostor, and its end must not
+                            # mean a loss
+                            self._count("duplicate_source")
+                            self._drop_conn(c)
+                            return n
+                        c.rank = src
+            if dec.error is not None:
                 self._count("malformed_stream")
                 self._drop_conn(c)
                 return n
@@ -860,8 +884,9 @@ class TcpEndpoint:
                 return n
         return n
 
-    def drain(self, sink: Callable[[list[Any]], int | None]) -> int:
-        """Handle every ready socket now; hand each whole message to ``sink``."""
+    def drain(self, sink: Callable[[w.Message | None], int | None]) -> int:
+        """Handle every ready socket now; hand each whole message to ``sink``, decoded
+        (``None`` for a malformed or unauthenticated one)."""
         n = 0
         lfd, ufd = self._lfds
         ready, self._ready = self._ready, None

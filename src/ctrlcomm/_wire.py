@@ -97,24 +97,28 @@ def _mac(key: bytes, frames: Sequence[Any]) -> bytes:
 
 def encode(msg: Message, key: bytes | None = None) -> list[Any]:
     """Frames for ``msg`` (payload already encoded), with a MAC frame when ``key`` is set."""
-    header = HEADER.pack(
-        MAGIC,
-        VERSION,
-        msg.kind,
-        msg.op,
-        msg.codec,
-        FLAG_MAC if key else 0,
-        msg.src,
-        msg.group_id,
-        msg.seq,
-        msg.round,
-        msg.root,
-        len(msg.buffers),
-    )
-    frames: list[Any] = [header, msg.payload, *msg.buffers]
-    if key:
-        frames.append(_mac(key, frames))
-    return frames
+    return frames(*msg, key=key)
+
+
+def frames(kind: int, src: int, group_id: int, seq: int, rnd: int, op: int, root: int,
+           codec: int, payload: Any, buffers: tuple[Any, ...] = (), key: bytes | None = None
+           ) -> list[Any]:
+    """:func:`encode` of the message with these fields, without building the message."""
+    header = HEADER.pack(MAGIC, VERSION, kind, op, codec, FLAG_MAC if key else 0, src,
+                         group_id, seq, rnd, root, len(buffers))
+    if not key:
+        return [header, payload, *buffers] if buffers else [header, payload]
+    out: list[Any] = [header, payload, *buffers]
+    out.append(_mac(key, out))
+    return out
+
+
+def decode_or_none(frames: Sequence[Any], key: bytes | None = None) -> Message | None:
+    """:func:`decode`, or ``None`` for a malformed or unauthenticated message."""
+    try:
+        return decode(frames, key)
+    except WireError:
+        return None
 
 
 def decode(frames: Sequence[Any], key: bytes | None = None) -> Message:
@@ -194,9 +198,25 @@ def _wrap_large(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
+_pdumps = pickle.dumps
+_ploads = pickle.loads
+_NO_BUFS: tuple[Any, ...] = ()
+
+
 def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
     """Encode ``obj``: returns (payload, out-of-band buffers)."""
     if codec == PICKLE:
+        t = type(obj)
+        if (t is not bytes and t is not bytearray) or len(obj) < OOB_THRESHOLD:
+            try:
+                data = _pdumps(obj, 5)
+            except Exception as e:  # pickling runs user code: anything can come out
+                raise CodecError(f"cannot pickle {t.__name__}: {e}") from e
+            if len(data) < OOB_THRESHOLD:
+                return data, _NO_BUFS  # the usual control message: nothing large in it
+        # something large: pickle again, passing large buffers out of band (bytes and
+        # bytearray objects, which the pickler keeps in band, wrapped; arrays that pickle
+        # as PickleBuffers through the callback)
         bufs: list[Any] = []
 
         def keep_large(pb: pickle.PickleBuffer) -> bool:
@@ -207,18 +227,9 @@ def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
             return True
 
         try:
-            if type(obj) in (bytes, bytearray) and len(obj) >= OOB_THRESHOLD:
-                # a large buffer alone: straight out of band, without pickling it in band first
-                return pickle.dumps(_OutOfBand(obj), protocol=5, buffer_callback=keep_large), \
-                    tuple(bufs)
-            data = pickle.dumps(obj, protocol=5, buffer_callback=keep_large)
-            if len(data) >= OOB_THRESHOLD:
-                # large bytes/bytearray are pickled in band; pickle again, passing them out
-                # of band (only large messages pay for this second, cheap pass)
-                bufs.clear()
-                data = pickle.dumps(_wrap_large(obj), protocol=5, buffer_callback=keep_large)
-        except Exception as e:  # pickling runs user code: anything can come out
-            raise CodecError(f"cannot pickle {type(obj).__name__}: {e}") from e
+            data = _pdumps(_wrap_large(obj), protocol=5, buffer_callback=keep_large)
+        except Exception as e:
+            raise CodecError(f"cannot pickle {t.__name__}: {e}") from e
         return data, tuple(bufs)
     if codec == MSGPACK:
         from . import _msgpack
@@ -232,7 +243,7 @@ def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
 def loads(payload: Any, buffers: Sequence[Any], codec: int) -> Any:
     """Decode a payload (authenticated already, where the group has a key)."""
     if codec == PICKLE:
-        return pickle.loads(payload, buffers=buffers)
+        return _ploads(payload, buffers=buffers)
     if codec == MSGPACK:
         from . import _msgpack
 
@@ -407,6 +418,40 @@ class StreamDecoder:
                 raise
             self.error = e
             return out
+
+    def messages(self, data: bytes | memoryview, key: bytes | None = None
+                 ) -> list[Message | None]:
+        """Add bytes; return the group messages now complete, decoded (:func:`decode`), with
+        ``None`` for each malformed or unauthenticated one. Framing errors as :meth:`feed`.
+
+        The same as ``[decode_or_none(f, key) for f in feed(data)]``, in one pass for the
+        usual case: a read that holds whole unauthenticated two-frame messages only."""
+        if key is None and not self.buf and self._lens is None and self.error is None:
+            view = memoryview(data)
+            end = view.nbytes
+            pos = 0
+            out: list[Message | None] = []
+            p2, head, hsize = PREFIX2, HEADER, HEADER.size
+            while pos < end:
+                if end - pos < p2.size:
+                    break
+                magic, n, a, b = p2.unpack_from(view, pos)
+                p = pos + p2.size
+                if magic != STREAM_MAGIC or n != 2 or a != hsize or p + a + b > end \
+                        or b > self.max_message:
+                    break
+                (magic, version, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf) = (
+                    head.unpack_from(view, p))
+                if magic != MAGIC or version != VERSION or kind not in KINDS \
+                        or codec not in CODECS or flags or nbuf:
+                    break  # not the usual message: decode() says what is wrong with it
+                pos = p + a + b
+                out.append(Message(kind, src, gid, seq, rnd, op, root, codec,
+                                   bytes(view[p + a : pos])))
+            else:
+                return out
+            # the rest the general way (what was decoded above is decoded again)
+        return [decode_or_none(f, key) for f in self.feed(data)]
 
     def _whole(self, data: bytes | memoryview) -> list[list[bytes]] | None:
         """Messages straight from ``data`` when it holds whole, well-formed messages only
