@@ -160,9 +160,9 @@ _NAMED_REDUCTIONS: dict[tuple[str, str], tuple[Callable[[Any, Any], Any], int]] 
 def _reduction(core: Core, name: str, obj: Any, op: Any) -> tuple[Callable[[Any, Any], Any], int]:
     named = _NAMED_REDUCTIONS.get((name, op)) if type(op) is str else None
     if named is None:
-        combine = _ops.resolve(op, name, core.rank)
+        combine = _ops.combiner(op, name, core.rank)
         red = len(_ops.NAMED_OPS) + 1 if callable(op) else _ops.NAMED_OPS.index(op) + 1
-        named = _ops.safe(combine), w.OP_CODE[name] | (red << 4)
+        named = combine, w.OP_CODE[name] | (red << 4)
         if type(op) is str:
             _NAMED_REDUCTIONS[(name, op)] = named
     _ops.check_operand(op, obj, name, core.rank)

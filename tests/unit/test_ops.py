@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from ctrlcomm import InvalidArgumentError, _ops
 
@@ -60,3 +62,26 @@ def test_numpy_arrays():
     np = pytest.importorskip("numpy")
     got = combine("max")(np.array([1, 5]), np.array([4, 2]))
     assert got.tolist() == [4, 5]
+
+
+_plain = st.one_of(st.integers(-(2**70), 2**70), st.booleans(),
+                   st.floats(allow_nan=True, allow_infinity=True))
+_operand = st.one_of(_plain, st.lists(_plain, max_size=4), st.tuples(_plain, _plain),
+                     st.lists(st.lists(_plain, max_size=2), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(_ops.NAMED_OPS), _operand, _operand)
+@example("max", [float("nan"), 1], [1.0, 2]).via("NaN on either side")
+@example("min", (1.0, float("nan")), (float("nan"), 2.0)).via("NaN on either side")
+@example("sum", [1, 2], (1, 2)).via("list and tuple")
+@example("band", [1, 2.5], [1, 2]).via("a float where ints are needed")
+def test_fast_combiner_agrees_with_the_general_one(op, a, b):
+    # the fast paths for plain numbers and flat lists/tuples give what the element-wise walk
+    # gives: same value, same type, same failure (NaN compared the same way too)
+    fast = _ops.combiner(op, "all_reduce", 0)(a, b)
+    slow = _ops.safe(combine(op))(a, b)
+    if isinstance(slow, _ops.Failed):
+        assert isinstance(fast, _ops.Failed) and fast.message == slow.message
+    else:
+        assert repr(fast) == repr(slow) and type(fast) is type(slow)
