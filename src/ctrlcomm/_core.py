@@ -182,32 +182,36 @@ class Core:
         if m is None:
             self.dropped["malformed"] += 1
             return None
-        if m.group_id != self.group_id:
+        kind, src, gid, seq, rnd, op, root, _, _, _ = m
+        if gid != self.group_id:
             self.dropped["other_group"] += 1
             return None
-        if not 0 <= m.src < self.size or m.src == self.rank:
+        if not 0 <= src < self.size or src == self.rank:
             self.dropped["bad_src"] += 1
             return None
         self.received += 1
-        k = m.kind
+        k = kind
         if k == w.COLL:
-            if m.seq < self.seq - (self.active is not None and self.active[1] >= 0):
+            a = self.active
+            if seq < self.seq - (a is not None and a[1] >= 0):
                 self.dropped["stale"] += 1
                 return None
-            slot = self.box.setdefault(m.seq, {})
-            key = (m.round, m.src)
+            slot = self.box.get(seq)
+            if slot is None:
+                slot = self.box[seq] = {}
+            key = (rnd, src)
             if key in slot:
                 self.dropped["duplicate"] += 1
                 return None
             slot[key] = m
-            self.held[m.src] += 1
-            if self.held[m.src] >= HOLD_HIGH and m.src not in self.paused:
+            held = self.held
+            held[src] += 1
+            if held[src] >= HOLD_HIGH and src not in self.paused:
                 # this peer is far ahead: stop reading its stream (what this rank needs from
                 # it came first, being of an earlier seq) until it has caught up
-                self.paused.add(m.src)
-                self.ep.pause(m.src)
-            a = self.active
-            if a is not None and m.seq == a[1] and (m.op, m.root) != (a[2], a[3]):
+                self.paused.add(src)
+                self.ep.pause(src)
+            if a is not None and seq == a[1] and (op != a[2] or root != a[3]):
                 self._set_mismatch(m)
         elif k == w.P2P:
             # each sender numbers its point-to-point messages to this rank 1, 2, 3...: an

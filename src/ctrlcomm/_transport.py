@@ -842,7 +842,7 @@ class TcpEndpoint:
         n = budget = 0
         dec = c.decoder
         assert dec is not None
-        view = self._rview
+        view, buf = self._rview, self._rbuf
         recv_into = c.sock.recv_into
         while budget < READ_BUDGET:
             try:
@@ -857,7 +857,7 @@ class TcpEndpoint:
                 return n
             budget += got
             try:
-                msgs = dec.messages(view[:got], self.key)
+                msgs = dec.messages(buf, got, self.key)
             except WireError:
                 self._count("malformed_stream")
                 self._drop_conn(c)

@@ -419,39 +419,39 @@ class StreamDecoder:
             self.error = e
             return out
 
-    def messages(self, data: bytes | memoryview, key: bytes | None = None
+    def messages(self, buf: bytes | bytearray, end: int, key: bytes | None = None
                  ) -> list[Message | None]:
-        """Add bytes; return the group messages now complete, decoded (:func:`decode`), with
-        ``None`` for each malformed or unauthenticated one. Framing errors as :meth:`feed`.
+        """Add ``buf[:end]``; return the group messages now complete, decoded
+        (:func:`decode`), with ``None`` for each malformed or unauthenticated one. Framing
+        errors as :meth:`feed`. (``buf`` is a receive buffer: nothing returned refers to it.)
 
-        The same as ``[decode_or_none(f, key) for f in feed(data)]``, in one pass for the
-        usual case: a read that holds whole unauthenticated two-frame messages only."""
+        The same as ``[decode_or_none(f, key) for f in feed(buf[:end])]``, in one pass for
+        the usual case: a read that holds whole unauthenticated two-frame messages only."""
         if key is None and not self.buf and self._lens is None and self.error is None:
-            view = memoryview(data)
-            end = view.nbytes
             pos = 0
             out: list[Message | None] = []
             p2, head, hsize = PREFIX2, HEADER, HEADER.size
             while pos < end:
                 if end - pos < p2.size:
                     break
-                magic, n, a, b = p2.unpack_from(view, pos)
+                magic, n, a, b = p2.unpack_from(buf, pos)
                 p = pos + p2.size
                 if magic != STREAM_MAGIC or n != 2 or a != hsize or p + a + b > end \
                         or b > self.max_message:
                     break
                 (magic, version, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf) = (
-                    head.unpack_from(view, p))
+                    head.unpack_from(buf, p))
                 if magic != MAGIC or version != VERSION or kind not in KINDS \
                         or codec not in CODECS or flags or nbuf:
                     break  # not the usual message: decode() says what is wrong with it
                 pos = p + a + b
                 out.append(Message(kind, src, gid, seq, rnd, op, root, codec,
-                                   bytes(view[p + a : pos])))
+                                   buf[p + a : pos]))  # a copy (bytes or bytearray)
             else:
                 return out
             # the rest the general way (what was decoded above is decoded again)
-        return [decode_or_none(f, key) for f in self.feed(data)]
+        with memoryview(buf) as view:
+            return [decode_or_none(f, key) for f in self.feed(view[:end])]
 
     def _whole(self, data: bytes | memoryview) -> list[list[bytes]] | None:
         """Messages straight from ``data`` when it holds whole, well-formed messages only

@@ -4,7 +4,7 @@ import pickle
 import struct
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ctrlcomm import _wire as w
@@ -182,3 +182,63 @@ def test_large_bytes_alone_go_out_of_band_and_load_without_a_copy():
     payload, bufs = w.dumps(bytearray(big), w.PICKLE)
     got = w.loads(payload, (bytes(bufs[0]),), w.PICKLE)
     assert type(got) is bytearray and got == big
+
+
+def _group_msg(draw_kind, src, seq, payload):
+    return w.encode(w.Message(draw_kind, src, 77, seq, 0, 1, w.NO_ROOT, w.PICKLE, payload))
+
+
+_HEAD = w.encode(w.Message(w.COLL, 1, 77, 3, 0, 1, w.NO_ROOT, w.PICKLE, b""))[0]
+_frames = st.one_of(
+    # the usual message, well formed
+    st.builds(_group_msg, st.sampled_from(sorted(w.KINDS)), st.integers(0, 9),
+              st.integers(0, 2**40), st.binary(max_size=30)),
+    # with out-of-band buffers, a MAC, or garbage frames
+    st.builds(lambda p, b: w.encode(w.Message(w.COLL, 1, 77, 3, 0, 1, w.NO_ROOT, w.PICKLE, p,
+                                              (b,))), st.binary(max_size=10),
+              st.binary(max_size=10)),
+    st.builds(lambda p: w.encode(w.Message(w.P2P, 2, 77, 1, 0, 0, w.NO_ROOT, w.PICKLE, p),
+                                 b"k"), st.binary(max_size=10)),
+    st.lists(st.binary(max_size=60), min_size=1, max_size=3),
+    # a header with one byte changed (magic, version, kind, codec, flags, counts...)
+    st.builds(lambda i, v, p: [_HEAD[:i] + bytes([v]) + _HEAD[i + 1:], p],
+              st.integers(0, w.HEADER.size - 1), st.integers(0, 255), st.binary(max_size=5)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_frames, max_size=5), st.one_of(st.just(1 << 20), st.integers(1, 200)),
+       st.sampled_from([None, None, b"k"]))
+def test_messages_equals_feed_then_decode(frames_list, chunk, key):
+    # the one-pass path of messages() gives what framing then decode() give, whatever the
+    # split of the stream into reads, garbage included
+    data = _stream(frames_list)
+    fast, slow = w.StreamDecoder(), w.StreamDecoder()
+    buf = bytearray(len(data))  # the receive buffer, reused for every read
+    got, want = [], []
+    fast_err = slow_err = None
+    for i in range(0, len(data), chunk):
+        part = data[i : i + chunk]
+        buf[: len(part)] = part
+        if fast_err is None:
+            try:
+                got += fast.messages(buf, len(part), key)
+            except WireError as e:
+                fast_err = e
+        if slow_err is None:
+            try:
+                want += [w.decode_or_none(f, key) for f in slow.feed(part)]
+            except WireError as e:
+                slow_err = e
+    assert got == want
+    assert (fast_err is None) == (slow_err is None)
+
+
+def test_messages_one_pass_checks_the_header_as_decode_does():
+    good = _group_msg(w.COLL, 1, 5, b"payload")
+    for i in range(2, w.HEADER.size):  # version, kind, op, codec, flags, src, ...
+        for v in (0, 2, 0x7F, 0xFF):
+            frames = [_HEAD[:i] + bytes([v]) + _HEAD[i + 1:], b"x"]
+            data = bytearray(_stream([good, frames, good]))
+            want = [w.decode_or_none(f) for f in w.StreamDecoder().feed(data)]
+            assert w.StreamDecoder().messages(data, len(data)) == want
