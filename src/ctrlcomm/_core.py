@@ -87,6 +87,7 @@ class Call(NamedTuple):
 
 
 _ploads = w._ploads
+_NONE_LOST: list[int] = []  # never changed
 
 
 class Core:
@@ -427,14 +428,18 @@ class Core:
     def _post(self, sends: tuple[tuple[int, Any], ...], rnd: int, seq: int, opcode: int,
               root: int) -> None:
         codec, key, ep = self.codec, self.key, self.ep
-        if len(sends) == 1:
-            dst, obj = sends[0]
+        obj = sends[0][1]
+        for _, o in sends:
+            if o is not obj:
+                break
+        else:  # one object for every destination (a single send, a root's result)
             payload, bufs = w.dumps(obj, codec)
-            ep.send_many((dst,), w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
-                                          root, codec, payload, bufs, key))
-            self.sent += 1
+            ep.send_many([d for d, _ in sends], w.frames(w.COLL, self.rank, self.group_id, seq,
+                                                         rnd, opcode, root, codec, payload,
+                                                         bufs, key))
+            self.sent += len(sends)
             return
-        # one encoding per distinct object (a root often sends the same one to every peer)
+        # else one encoding per distinct object
         by_obj: dict[int, tuple[Any, list[int]]] = {}
         for dst, obj in sends:
             entry = by_obj.get(id(obj))
@@ -480,7 +485,10 @@ class Core:
                     self.ep.resume(s)
         self.waiting_for = missing
         now = time.monotonic()
-        lost, suspect_at = self._check_lost(missing, now)
+        if now < self._live_until and not self.gone and not self.suspects:
+            lost, suspect_at = _NONE_LOST, self._live_until  # the usual case, cheaply
+        else:
+            lost, suspect_at = self._check_lost(missing, now)
         if lost:
             what = f"{name} #{seq}" if seq is not None else name
             raise PeerLostError(

@@ -687,11 +687,12 @@ class TcpEndpoint:
                 and (b := len(frames[1])) < COPY_THRESHOLD:  # the usual: header and payload
             head = frames[0]
             one = _PREFIX2.pack(_STREAM_MAGIC, 2, len(head), b) + head + frames[1]
+            total = len(one)
             out = self.out
             for dst in dsts:
                 c = out.get(dst)
                 if c is None or c.pending or c.connecting:
-                    self._send_parts(dst, [one], len(one))
+                    self._send_parts(dst, [one], total)
                     continue
                 try:
                     n = c.sock.send(one)
@@ -701,7 +702,7 @@ class TcpEndpoint:
                     if c.sock.fileno() >= 0:  # else lost already: the core knows
                         self._lose(c, f"send failed: {e.strerror or e}")
                     continue
-                if n < len(one):
+                if n < total:
                     self._queue(c, [one], n)
             return
         lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]

@@ -25,6 +25,9 @@ def one_rank_absent(g):
             g.barrier()
         except ctrlcomm.GroupBrokenError as b:
             after = str(b)
+        # leaving (closing) before the other rank's deadline would end its wait otherwise
+        g.store.set(f"test/timed-out/{g.rank}", "1")
+        g.store.wait(["test/timed-out/0", "test/timed-out/1"], timeout=60)
         return str(e), e.op, e.seq, e.group, e.waiting_for, took, after
     return "no error"
 
@@ -166,6 +169,13 @@ def test_recv_timeout_leaves_group_usable():
     assert late == "late"
 
 
+def both_cancelled(g):
+    """Wait until both ranks cancelled their call: a rank that closes first would end the
+    other's call with PeerLostError before it is cancelled."""
+    g.store.set(f"test/cancelled/{g.rank}", "1")
+    g.store.wait(["test/cancelled/0", "test/cancelled/1"], timeout=60)
+
+
 def cancel_then_use(g):
     async def main():
         if g.rank == 0:
@@ -177,8 +187,11 @@ def cancel_then_use(g):
             try:
                 await g.aio.barrier()
             except ctrlcomm.GroupBrokenError as e:
-                return "broken", str(e)
-            return "not broken", ""
+                out = "broken", str(e)
+            else:
+                out = "not broken", ""
+            both_cancelled(g)
+            return out
         # recv cancel leaves the group usable
         task = asyncio.ensure_future(g.aio.recv(0, tag=3))
         await asyncio.sleep(0.2)
@@ -186,7 +199,7 @@ def cancel_then_use(g):
         with pytest.raises(asyncio.CancelledError):
             await task
         state = g.stats()["state"]
-        await asyncio.sleep(0.5)  # closing before rank 0 cancels would fail its call first
+        both_cancelled(g)
         return "ok", state
 
     return asyncio.run(main())
