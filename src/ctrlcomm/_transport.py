@@ -497,7 +497,6 @@ class _Conn:
 
 
 _PREFIX2, _STREAM_MAGIC = w.PREFIX2, w.STREAM_MAGIC
-TIMER_SLACK_S = 0.001  # an awaited wait's timer may ring this much later than asked
 FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
 READ_CHUNK = 256 * 1024
 PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
@@ -615,7 +614,6 @@ class TcpEndpoint:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching self.fd
         self._waiter: asyncio.Future[None] | None = None
         self._turn = 0.0  # when an awaited wait last went through the event loop
-        self._timer: asyncio.TimerHandle | None = None  # wakes a waiting awaited call
         _live.add(self)
 
     def set_peers(self, peers: dict[int, str], local: dict[int, str] | None = None) -> None:
@@ -956,27 +954,13 @@ class TcpEndpoint:
             loop.add_reader(self.fd, self._on_readable, loop)
             self._loop = loop
         fut = self._waiter = loop.create_future()
-        # One timer, kept across waits and set again only for an earlier wake-up: a call's
-        # deadline is seconds away and most waits end in microseconds, so scheduling and
-        # cancelling a timer per wait would cost more than the rare early wake-up (after
-        # which the caller, not at its deadline yet, simply waits again).
-        when = loop.time() + max(timeout, 0.0)
-        timer = self._timer
-        if timer is None or timer.when() > when + TIMER_SLACK_S:
-            if timer is not None:
-                timer.cancel()
-            self._timer = loop.call_at(when, self._on_timer, loop)
+        timer = loop.call_later(max(timeout, 0.0), self._on_readable, loop)
         try:
             await fut
         finally:
+            timer.cancel()
             self._waiter = None
             self._turn = time.monotonic()
-
-    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._timer = None
-        fut = self._waiter
-        if loop is self._loop and fut is not None and not fut.done():
-            fut.set_result(None)
 
     def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
         if loop is not self._loop:  # a loop this endpoint has moved away from
@@ -989,16 +973,10 @@ class TcpEndpoint:
             # is (measured: once per call, right after the previous call's reads); waking
             # the waiting task for nothing costs two loop iterations and a trip through the
             # call. Look here instead; the events found are the next drain's.
-            ready = self.ep.poll(0)
-            if ready:
-                self._ready = ready
-                fut.set_result(None)
+            fut.set_result(None)
 
     def _unwatch(self) -> None:
         loop, self._loop = self._loop, None
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
         if loop is None or loop.is_closed():
             return
         try:

@@ -176,6 +176,34 @@ def both_cancelled(g):
     g.store.wait(["test/cancelled/0", "test/cancelled/1"], timeout=60)
 
 
+def awaited_short_timeout_after_long_one(g):
+    """An awaited call's deadline holds whatever deadline the call before it had: a short
+    one after a long one, and a long one after a short one."""
+
+    async def main():
+        if g.rank == 1:
+            await asyncio.sleep(0.3)  # rank 0 waits in this barrier with a 60 s deadline
+        await g.aio.barrier(timeout=60)
+        if g.rank == 1:
+            await g.aio.recv(0, tag=1, timeout=60)
+            return None
+        t = time.monotonic()
+        try:
+            await g.aio.recv(1, tag=5, timeout=0.5)  # nobody sends: times out at 0.5 s
+        except ctrlcomm.CollectiveTimeoutError:
+            short = time.monotonic() - t
+        await asyncio.sleep(0.3)
+        await g.aio.send("go", 1, tag=1)  # rank 1 waited with a timer set after the short one
+        return short
+
+    return asyncio.run(main())
+
+
+def test_awaited_deadlines_after_other_deadlines():
+    short = run_group(awaited_short_timeout_after_long_one, 2)[0]
+    assert 0.45 < short < 3.0, short
+
+
 def cancel_then_use(g):
     async def main():
         if g.rank == 0:
