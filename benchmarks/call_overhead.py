@@ -1,0 +1,73 @@
+"""Python cost of one call on a rank when nothing has to wait: no sockets, no other process.
+
+A group's core is given an in-memory endpoint that answers at once (for a non-root rank of a
+star at world 4: the root's reply is queued when the rank sends), so a call runs its whole
+path (argument checks, plan, framing, mailbox, decoding) without a system call. What it
+prints is the floor of a call's CPU on this interpreter, warm; in a real run each call also
+pays its system calls and the caches a context switch leaves cold (about three times this,
+measured on the reference machine). ``python benchmarks/call_overhead.py [op ...]``
+"""
+
+import sys
+import time
+
+from ctrlcomm import _wire as w
+from ctrlcomm._core import Core
+from ctrlcomm._group import Group
+
+
+class AnsweringEndpoint:
+    """Stands in for the root: every message sent gets the same payload back from rank 0."""
+
+    closed = False
+    unflushed: frozenset[int] = frozenset()
+    key = None
+
+    def __init__(self) -> None:
+        self.pending: list[w.Message] = []
+
+    def send_many(self, dsts, frames) -> None:
+        h = w.HEADER.unpack(frames[0])
+        op, seq, rnd = h[3], h[8], h[9]
+        self.pending.append(w.Message(w.COLL, 0, 1, seq, rnd, op, w.NO_ROOT, w.PICKLE,
+                                      frames[1]))
+
+    def drain(self, sink) -> int:
+        got, self.pending = self.pending, []
+        for m in got:
+            sink(m)
+        return len(got)
+
+    def wait(self, timeout: float) -> None:
+        pass
+
+    def send(self, dst, frames) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def main() -> None:
+    ops = sys.argv[1:] or ["barrier", "all_reduce", "all_gather"]
+    core = Core(name="bench", rank=1, size=4, group_id=1, endpoint=AnsweringEndpoint(),
+                codec=w.PICKLE, key=None, timeout=10.0)
+    g = Group.__new__(Group)
+    g._core = core
+    calls = {"barrier": lambda: g.barrier(),
+             "all_reduce": lambda: g.all_reduce([1, 2], op="max"),
+             "all_gather": lambda: g.all_gather({"rank": 1})}
+    for op in ops:
+        f = calls[op]
+        for _ in range(20000):
+            f()
+        n = 200000
+        t0 = time.process_time()
+        for _ in range(n):
+            f()
+        us = 1e6 * (time.process_time() - t0) / n
+        print(f"{op:10s} {us:6.2f} us of CPU per call (non-root rank of a world-4 star, warm)")
+
+
+if __name__ == "__main__":
+    main()
