@@ -87,6 +87,12 @@ class Call(NamedTuple):
 
 
 _ploads = w._ploads
+
+
+def _cannot_decode(where: str, src: int, e: Exception) -> CodecError:
+    return CodecError(f"{where}: cannot decode the object from rank {src}: "
+                      f"{type(e).__name__}: {e}")
+
 _NONE_LOST: list[int] = []  # never changed
 
 
@@ -128,7 +134,8 @@ class Core:
         self.hb = heartbeat
         self.liveness_timeout = liveness_timeout
         self._live_until = 0.0  # until then no peer's heartbeats can be overdue
-        self._probed = False  # whether the current call asked the ranks it waits for
+        self._probed = False  # whether the current step asked the ranks it waits for
+        self._looked = False  # whether it read its sockets once more at the deadline
         endpoint.on_lost = self._lost
         endpoint.key = key
         self._sink = self._accept
@@ -280,9 +287,7 @@ class Core:
         try:
             return w.loads(m.payload, m.buffers, m.codec)
         except Exception as e:  # unpickling runs code: anything can come out
-            where = what if seq is None else f"{what} #{seq}"
-            raise CodecError(f"{where}: cannot decode the object from rank {m.src}: "
-                             f"{type(e).__name__}: {e}") from e
+            raise _cannot_decode(what if seq is None else f"{what} #{seq}", m.src, e) from e
 
     # --------------------------------------------------------------------------- states
 
@@ -334,7 +339,6 @@ class Core:
         self.active = (name, seq, opcode, root)
         t = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + t
-        self._probed = False
         box = self.box
         ep = self.ep
         try:
@@ -361,6 +365,7 @@ class Core:
                 reply = {}
                 if not recvs:
                     continue
+                self._probed = self._looked = False  # per step: its missing ranks are asked
                 while True:
                     if self.mismatch is not None:
                         raise self.mismatch
@@ -379,13 +384,13 @@ class Core:
                 for s in recvs:
                     m = slot.pop((rnd, s))  # type: ignore[union-attr]
                     held[s] -= 1
-                    if m.codec == w.PICKLE:
-                        try:
-                            reply[s] = _ploads(m.payload, buffers=m.buffers)
-                            continue
-                        except Exception:  # unpickling runs code: anything can come out
-                            pass  # _decode says what
-                    reply[s] = self._decode(m, name, seq)
+                    if m.codec != w.PICKLE:
+                        reply[s] = self._decode(m, name, seq)
+                        continue
+                    try:
+                        reply[s] = _ploads(m.payload, buffers=m.buffers)
+                    except Exception as e:  # unpickling runs code: anything can come out
+                        raise _cannot_decode(f"{name} #{seq}", m.src, e) from e
                 if self.paused:
                     self._resume_caught_up(recvs)
             self.last = (name, seq)
@@ -495,6 +500,9 @@ class Core:
                 f"{what} on group {self.name!r} cannot complete on rank {self.rank}: "
                 + "; ".join(f"rank {s} {self.gone[s]}" for s in lost), ranks=lost)
         if now >= deadline:
+            if not self._looked:  # a last read first: what is wanted may be in a socket
+                self._looked = True
+                return 0.0
             raise self._timeout(name, seq, t, missing)
         if self._probed:
             return min(deadline, suspect_at) - now
@@ -541,7 +549,7 @@ class Core:
         t = self.timeout if timeout is None else float(timeout)
         name = f"recv(src={src}, tag={tag})"
         deadline = time.monotonic() + t
-        self._probed = False
+        self._probed = self._looked = False
         self.active = (name, -1, 0, w.NO_ROOT)
         try:
             while True:

@@ -238,51 +238,55 @@ def all_to_all(ctx: Ctx, objs: Sequence[Any]) -> Plan:
 # N-1 messages, so above a measured world size the log-depth algorithms take over.
 
 
+# Both directions of a star use one round, STAR: rank 0 receives (STAR, p) from each p != 0
+# and every other rank receives (STAR, 0), so they cannot be confused, and a non-root rank
+# sends and receives in one step (one trip through the plan instead of two). No other plan
+# uses that round: ranks that chose different algorithms (CTRLCOMM_ALGO set unlike on
+# different ranks) never take each other's messages for their own; they time out instead of
+# computing a wrong result.
+STAR = 64
+
+
 def barrier_star(ctx: Ctx) -> Plan:
     """All to rank 0, then rank 0 to all (an all_reduce of nothing, written out: a barrier
     is the call made most often)."""
     n, r = ctx.size, ctx.rank
     if r:
-        yield Step(0, ((0, None),), (0,))
+        yield Step(STAR, ((0, None),), (0,))
         return None
     if n > 1:
-        yield Step(0, recvs=tuple(range(1, n)))
-        yield Step(0, sends=tuple((p, None) for p in range(1, n)))
+        yield Step(STAR, recvs=tuple(range(1, n)))
+        yield Step(STAR, sends=tuple((p, None) for p in range(1, n)))
     return None
-
-
-# Both directions of a star use round 0: rank 0 receives (0, p) from each p != 0 and every
-# other rank receives (0, 0), so they cannot be confused; a non-root rank then sends and
-# receives in one step (one trip through the plan instead of two).
 
 
 def all_reduce_star(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> Plan:
     """Everyone sends to rank 0, which combines in rank order and sends the result back."""
     n, r = ctx.size, ctx.rank
     if r:
-        got = yield Step(0, ((0, obj),), (0,))
+        got = yield Step(STAR, ((0, obj),), (0,))
         return got[0]
     if n == 1:
         return obj
-    got = yield Step(0, recvs=tuple(range(1, n)))
+    got = yield Step(STAR, recvs=tuple(range(1, n)))
     acc = obj
     for p in range(1, n):
         acc = combine(acc, got[p])
-    yield Step(0, sends=tuple((p, acc) for p in range(1, n)))
+    yield Step(STAR, sends=tuple((p, acc) for p in range(1, n)))
     return acc
 
 
 def all_gather_star(ctx: Ctx, obj: Any) -> Plan:
     n, r = ctx.size, ctx.rank
     if r:
-        got = yield Step(0, ((0, obj),), (0,))
+        got = yield Step(STAR, ((0, obj),), (0,))
         return got[0]
     if n == 1:
         return [obj]
-    got = yield Step(0, recvs=tuple(range(1, n)))
+    got = yield Step(STAR, recvs=tuple(range(1, n)))
     got[0] = obj
     out = [got[i] for i in range(n)]
-    yield Step(0, sends=tuple((p, out) for p in range(1, n)))
+    yield Step(STAR, sends=tuple((p, out) for p in range(1, n)))
     return out
 
 

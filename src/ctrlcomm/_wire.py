@@ -82,7 +82,7 @@ class Message(NamedTuple):
     op: int = 0
     root: int = NO_ROOT
     codec: int = RAW
-    payload: Any = b""  # bytes-like
+    payload: Any = b""  # bytes-like (bytes, or a bytearray from StreamDecoder.messages)
     buffers: tuple[Any, ...] = ()
 
 
@@ -203,16 +203,30 @@ _ploads = pickle.loads
 _NO_BUFS: tuple[Any, ...] = ()
 
 
+class _Large(Exception):
+    """Raised by :func:`_small_buffers_only` to stop a first pickling pass."""
+
+
+def _small_buffers_only(pb: pickle.PickleBuffer) -> bool:
+    """The first pass's buffer callback: small buffers stay in band; a large one (a numpy
+    array, say) ends the pass at once instead of being copied into it."""
+    if pb.raw().nbytes >= OOB_THRESHOLD:
+        raise _Large
+    return True
+
+
 def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
     """Encode ``obj``: returns (payload, out-of-band buffers)."""
     if codec == PICKLE:
         t = type(obj)
         if (t is not bytes and t is not bytearray) or len(obj) < OOB_THRESHOLD:
             try:
-                data = _pdumps(obj, 5)
+                data = _pdumps(obj, 5, buffer_callback=_small_buffers_only)
+            except _Large:
+                data = None
             except Exception as e:  # pickling runs user code: anything can come out
                 raise CodecError(f"cannot pickle {t.__name__}: {e}") from e
-            if len(data) < OOB_THRESHOLD:
+            if data is not None and len(data) < OOB_THRESHOLD:
                 return data, _NO_BUFS  # the usual control message: nothing large in it
         # something large: pickle again, passing large buffers out of band (bytes and
         # bytearray objects, which the pickler keeps in band, wrapped; arrays that pickle
@@ -437,7 +451,7 @@ class StreamDecoder:
                 magic, n, a, b = p2.unpack_from(buf, pos)
                 p = pos + p2.size
                 if magic != STREAM_MAGIC or n != 2 or a != hsize or p + a + b > end \
-                        or b > self.max_message:
+                        or a + b > self.max_message:
                     break
                 (magic, version, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf) = (
                     head.unpack_from(buf, p))

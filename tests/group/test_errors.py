@@ -169,6 +169,27 @@ def test_recv_timeout_leaves_group_usable():
     assert late == "late"
 
 
+def ranks_with_different_algorithms(g):
+    """CTRLCOMM_ALGO set unlike on different ranks: rank 0 runs the flat all_reduce, the
+    others the star. Neither takes the other's messages for its own: all time out, nobody
+    returns a wrong sum."""
+    from ctrlcomm import _algo
+
+    _algo.OVERRIDES["all_reduce"] = "flat" if g.rank == 0 else "star"
+    _algo.choose.cache_clear()
+    try:
+        out = g.all_reduce(g.rank + 1, timeout=1.0)
+    except ctrlcomm.CollectiveTimeoutError:
+        out = "timed out"
+    g.store.set(f"test/algo/{g.rank}", "1")  # nobody closes before all have timed out
+    g.store.wait([f"test/algo/{r}" for r in range(g.world_size)], timeout=60)
+    return out
+
+
+def test_ranks_with_different_algorithms_time_out_instead_of_mixing_messages():
+    assert run_group(ranks_with_different_algorithms, 3) == ["timed out"] * 3
+
+
 def both_cancelled(g):
     """Wait until both ranks cancelled their call: a rank that closes first would end the
     other's call with PeerLostError before it is cancelled."""

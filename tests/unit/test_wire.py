@@ -2,6 +2,7 @@
 
 import pickle
 import struct
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -34,6 +35,25 @@ def test_large_buffers_travel_out_of_band():
     frames = w.encode(msg(payload=payload, buffers=bufs))
     m = w.decode([bytes(f) for f in frames])
     assert w.loads(m.payload, m.buffers, m.codec) == {"x": big, "small": b"abc"}
+
+
+def test_large_array_is_never_copied_in_band():
+    # a numpy array pickles through a PickleBuffer: it must go out of band without first
+    # being copied into a pickle stream (8 MiB array: the encoder's peak memory stays small)
+    np = pytest.importorskip("numpy")
+    arr = np.arange(1 << 20, dtype=np.int64)
+    nested = {"a": arr, "n": 1}
+    for obj in (arr, nested):
+        tracemalloc.start()
+        try:
+            payload, bufs = w.dumps(obj, w.PICKLE)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert len(bufs) == 1 and memoryview(bufs[0]).nbytes == arr.nbytes
+        assert peak < 1 << 20, peak
+        got = w.loads(payload, tuple(bytes(b) for b in bufs), w.PICKLE)
+        assert (got["a"] if isinstance(got, dict) else got).tolist() == arr.tolist()
 
 
 def test_small_buffers_stay_in_band():
