@@ -7,7 +7,8 @@ per round, so the former win up to :data:`SMALL_WORLD` ranks; above it the log-d
 algorithms run. The choice depends on the world size only, never on a rank's own payload:
 every rank of a call must run the same algorithm, and only the root of a broadcast knows
 what it sends. ``CTRLCOMM_ALGO="all_reduce=doubling,broadcast=tree"`` overrides the choice
-per collective, and ``CTRLCOMM_SMALL_WORLD`` the threshold (set them alike on every rank).
+per collective, and ``CTRLCOMM_SMALL_WORLD`` the threshold (set them alike on every rank; both
+are read when ctrlcomm is imported, and each choice is made once per world size).
 """
 
 from __future__ import annotations
