@@ -686,29 +686,14 @@ class TcpEndpoint:
                 and (b := len(frames[1])) < COPY_THRESHOLD:  # the usual: header and payload
             head = frames[0]
             one = _PREFIX2.pack(_STREAM_MAGIC, 2, len(head), b) + head + frames[1]
-            total = len(one)
-            out = self.out
-            for dst in dsts:
-                c = out.get(dst)
-                if c is None or c.pending or c.connecting:
-                    self._send_parts(dst, [one], total)
-                    continue
-                try:
-                    n = c.sock.send(one)
-                except BlockingIOError:
-                    n = 0
-                except OSError as e:
-                    if c.sock.fileno() >= 0:  # else lost already: the core knows
-                        self._lose(c, f"send failed: {e.strerror or e}")
-                    continue
-                if n < total:
-                    self._queue(c, [one], n)
-            return
-        lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
-        prefix = w.stream_prefix_lens(lens)
-        total = sum(lens) + len(prefix)
-        # a small message goes as one buffer (cheaper to send and, queued, to keep)
-        parts = [prefix, *frames] if total >= COPY_THRESHOLD else [b"".join([prefix, *frames])]
+            parts, total = [one], len(one)
+        else:
+            lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
+            prefix = w.stream_prefix_lens(lens)
+            total = sum(lens) + len(prefix)
+            # a small message goes as one buffer (cheaper to send and, queued, to keep)
+            parts = [prefix, *frames] if total >= COPY_THRESHOLD \
+                else [b"".join([prefix, *frames])]
         for dst in dsts:
             self._send_parts(dst, parts, total)
 
@@ -723,7 +708,7 @@ class TcpEndpoint:
             self._register(c, select.EPOLLOUT | select.EPOLLIN)
             return
         try:
-            n = c.sock.sendmsg(parts)
+            n = c.sock.send(parts[0]) if len(parts) == 1 else c.sock.sendmsg(parts)
         except BlockingIOError:
             n = 0
         except OSError as e:
