@@ -138,7 +138,7 @@ class Core:
         self._looked = False  # whether it read its sockets once more at the deadline
         endpoint.on_lost = self._lost
         endpoint.key = key
-        self._sink = self._accept
+        self._sink = endpoint.sink = self._accept
 
     def _lost(self, rank: int, why: str, certain: bool) -> None:
         text = f"is gone ({why}; its process died or exited without close())"

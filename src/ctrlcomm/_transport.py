@@ -191,6 +191,7 @@ class ZmqEndpoint:
         self._poller.register(self.rx, zmq.POLLIN)
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
+        self.sink: Callable[[w.Message | None], int | None] | None = None  # unused here
         # ZeroMQ reconnects silently: a lost peer is not reported by this transport
         self.on_lost = on_lost
 
@@ -607,6 +608,8 @@ class TcpEndpoint:
         self.dropped: dict[str, int] = {}
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
+        # where an awaited wait's reader callback hands what it reads (set by the core)
+        self.sink: Callable[[w.Message | None], int | None] | None = None
         # one receive buffer, reused: recv(n) would allocate (and for large n, mmap) n bytes
         self._rbuf = bytearray(READ_CHUNK)
         self._rview = memoryview(self._rbuf)
@@ -614,6 +617,9 @@ class TcpEndpoint:
         self._ready: list[tuple[int, int]] | None = None  # events seen by wait()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching self.fd
         self._waiter: asyncio.Future[None] | None = None
+        # one timer for awaited waits, kept while it fires no later than a wait needs: a
+        # timer per wait costs a heap push and a cancelled entry in the loop's heap each
+        self._timer: asyncio.TimerHandle | None = None
         self._turn = 0.0  # when an awaited wait last went through the event loop
         _live.add(self)
 
@@ -919,9 +925,10 @@ class TcpEndpoint:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running).
 
         The epoll descriptor stays registered with the loop between waits (registering and
-        unregistering it costs two system calls per wait); its reader callback wakes the
-        waiting call, or, when no call waits, unregisters it (it would fire again and again
-        while the data waits unread)."""
+        unregistering it costs two system calls per wait); its reader callback reads the
+        ready sockets and wakes the waiting call, or, when no call waits, unregisters it (it
+        would fire again and again while the data waits unread). The timeout is one timer
+        kept across waits while it fires no later than a wait needs."""
         ready = self.ep.poll(0)
         if ready:
             # no need to go through the event loop (two of its iterations); but when the
@@ -940,28 +947,58 @@ class TcpEndpoint:
             loop.add_reader(self.fd, self._on_readable, loop)
             self._loop = loop
         fut = self._waiter = loop.create_future()
-        timer = loop.call_later(max(timeout, 0.0), self._on_readable, loop)
+        at = loop.time() + max(timeout, 0.0)
+        timer = self._timer
+        if timer is None or timer.when() > at:
+            if timer is not None:
+                timer.cancel()
+            # (one that fires sooner than this wait needs wakes it early: the call looks at
+            # the time and waits again)
+            self._timer = loop.call_at(at, self._on_timer)
         try:
             await fut
         finally:
-            timer.cancel()
             self._waiter = None
             self._turn = time.monotonic()
 
     def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop saw this endpoint's epoll descriptor readable. With a call waiting,
+        read the ready sockets here, then wake it.
+
+        Reading here, not in the woken task, matters: the loop looks at its descriptors once
+        more before the task runs, and a socket still unread then would queue this callback
+        again, to run after the task had started its next wait, waking it for nothing (one
+        wasted round of the loop per call on a star's non-root ranks)."""
         if loop is not self._loop:  # a loop this endpoint has moved away from
             return
         fut = self._waiter
         if fut is None:
             self._unwatch()
-        elif not fut.done():
-            # (The loop's epoll may report this descriptor once more after its sockets were
-            # read; the woken call then finds nothing and waits again. Looking at the sockets
-            # here first was measured slower at worlds 2 and 4, faster only at 8: not done.)
+            return
+        if fut.done():
+            return
+        if not self.closed and self.sink is not None:
+            ready = self.ep.poll(0)
+            if not ready:  # read already (by the woken call): keep waiting
+                return
+            self._ready = ready
+            try:
+                self.drain(self.sink)
+            except BaseException as e:  # not expected; the woken call raises it
+                fut.set_exception(e)
+                return
+            self._ready = []  # read: the woken call need not ask epoll again
+        fut.set_result(None)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        fut = self._waiter
+        if fut is not None and not fut.done():
             fut.set_result(None)
 
     def _unwatch(self) -> None:
         loop, self._loop = self._loop, None
+        timer, self._timer = self._timer, None
         if loop is None or loop.is_closed():
             return
         try:
@@ -971,8 +1008,12 @@ class TcpEndpoint:
         try:
             if loop.is_running() and loop is not running:  # it runs in another thread
                 loop.call_soon_threadsafe(loop.remove_reader, self.fd)
+                if timer is not None:
+                    loop.call_soon_threadsafe(timer.cancel)
             else:
                 loop.remove_reader(self.fd)
+                if timer is not None:
+                    timer.cancel()
         except (RuntimeError, ValueError, OSError):  # the loop is closing
             pass
 

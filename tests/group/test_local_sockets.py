@@ -219,3 +219,34 @@ def test_awaited_recv_lets_other_tasks_run_and_close_ends_it():
     assert got == "done" and sent > 10
     assert ticks >= 8, f"the ticker ran {ticks} times while rank 0 read the stream"
     assert err is not None and "closed" in err and waited < 5
+
+
+def count_awaited_waits(g):
+    """Awaited all_reduce calls of a star (world 3): how many times a non-root's wait
+    returned per call. It needs one reply per call, so one wait; a reader callback left
+    queued by the event loop (the socket still unread when the loop looked again) would wake
+    the next call's wait with nothing to read, nearly once per call."""
+    ep = g._core.ep
+    woke = 0
+    inner = ep.wait_async
+
+    async def wait_async(timeout):
+        nonlocal woke
+        await inner(timeout)
+        woke += 1
+
+    async def main():
+        for i in range(50):
+            await g.aio.all_reduce(i)
+        ep.wait_async = wait_async
+        for i in range(300):
+            assert await g.aio.all_reduce([i, g.rank], op="max") == [i, 2]
+        return woke
+
+    return asyncio.run(main())
+
+
+def test_awaited_waits_of_a_star_wake_once_per_reply():
+    woke = run_group(count_awaited_waits, 3)
+    for rank in (1, 2):  # the non-roots
+        assert woke[rank] <= 1.2 * 300, f"rank {rank}: {woke[rank]} waits for 300 replies"
