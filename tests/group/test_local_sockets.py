@@ -35,6 +35,19 @@ def test_same_host_peers_use_unix_sockets_when_ranks_outnumber_cpus(mode, size):
         assert fams == (["AF_UNIX"] if local else ["AF_INET"])
 
 
+def spare_cpu(rank, size, port):
+    with ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="spare", timeout=30) as g:
+        g.barrier()
+        return g._core.ep.spare_cpu
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_awaited_waits_look_twice_only_where_each_rank_has_a_cpu(size):
+    from ctrlcomm._transport import _cpus
+
+    assert run_ranks(spare_cpu, size, free_port()) == [size <= _cpus()] * size
+
+
 def test_local_socket_rule():
     from ctrlcomm._transport import use_local_sockets
 
