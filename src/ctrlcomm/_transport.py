@@ -954,6 +954,8 @@ class TcpEndpoint:
             # The loop gets one turn first, then one more look before sleeping. (Where ranks
             # share CPUs the turn is only overhead.)
             await asyncio.sleep(0)
+            if self.closed:  # by another task meanwhile: the call finds out
+                return
             ready = self.ep.poll(0)
             if ready:
                 self._ready = ready

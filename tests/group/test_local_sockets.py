@@ -263,3 +263,29 @@ def test_awaited_waits_of_a_star_wake_once_per_reply():
     woke = run_group(count_awaited_waits, 3)
     for rank in (1, 2):  # the non-roots
         assert woke[rank] <= 1.2 * 300, f"rank {rank}: {woke[rank]} waits for 300 replies"
+
+
+def closed_during_the_turn(g):
+    """A group closed by another task while an awaited wait gives the loop its turn (world
+    2 on one host: each rank has a CPU where this machine has two): the call says so."""
+
+    async def main():
+        if g.rank == 1:
+            await asyncio.sleep(0.5)  # stays up (silent) while rank 0 closes
+            return None
+        asyncio.get_running_loop().call_soon(g.close)  # runs during the recv's first wait
+        try:
+            await g.aio.recv(1, tag=9, timeout=10)
+        except ctrlcomm.GroupClosedError as e:
+            return str(e), g._core.ep.spare_cpu
+        return "received", None
+
+    return asyncio.run(main())
+
+
+def test_group_closed_while_an_awaited_wait_gives_the_loop_a_turn():
+    from ctrlcomm._transport import _cpus
+
+    (err, spare), _ = run_group(closed_during_the_turn, 2)
+    assert "closed" in err, err
+    assert spare == (_cpus() >= 2)  # the turn was taken where the machine has the CPUs
