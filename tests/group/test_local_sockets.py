@@ -38,14 +38,16 @@ def test_same_host_peers_use_unix_sockets_when_ranks_outnumber_cpus(mode, size):
 def spare_cpu(rank, size, port):
     with ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="spare", timeout=30) as g:
         g.barrier()
-        return g._core.ep.spare_cpu
+        return g._core.ep.spare_cpu, g._core.ep.usock is not None
 
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_awaited_waits_look_twice_only_where_each_rank_has_a_cpu(size):
     from ctrlcomm._transport import _cpus
 
-    assert run_ranks(spare_cpu, size, free_port()) == [size <= _cpus()] * size
+    for spare, knows_its_host in run_ranks(spare_cpu, size, free_port()):
+        # (which ranks share the host is known from the Unix addresses they publish)
+        assert spare == (knows_its_host and size <= _cpus())
 
 
 def test_local_socket_rule():
@@ -240,6 +242,8 @@ def count_awaited_waits(g):
     queued by the event loop (the socket still unread when the loop looked again) would wake
     the next call's wait with nothing to read, nearly once per call."""
     ep = g._core.ep
+    ep.spare_cpu = False  # no turn before sleeping (taken where each rank has a CPU): the
+    # stale callback would then find no waiter and only unregister, hiding what is tested
     woke = 0
     inner = ep.wait_async
 
@@ -277,8 +281,8 @@ def closed_during_the_turn(g):
         try:
             await g.aio.recv(1, tag=9, timeout=10)
         except ctrlcomm.GroupClosedError as e:
-            return str(e), g._core.ep.spare_cpu
-        return "received", None
+            return str(e), g._core.ep.spare_cpu, g._core.ep.usock is not None
+        return "received", None, None
 
     return asyncio.run(main())
 
@@ -286,6 +290,43 @@ def closed_during_the_turn(g):
 def test_group_closed_while_an_awaited_wait_gives_the_loop_a_turn():
     from ctrlcomm._transport import _cpus
 
-    (err, spare), _ = run_group(closed_during_the_turn, 2)
+    (err, spare, knows_its_host), _ = run_group(closed_during_the_turn, 2)
     assert "closed" in err, err
-    assert spare == (_cpus() >= 2)  # the turn was taken where the machine has the CPUs
+    # the turn was taken where the machine has the CPUs
+    assert spare == (knows_its_host and _cpus() >= 2)
+
+
+def error_while_reading_in_the_callback(g):
+    """An exception met while an awaited wait's reader callback reads (here: a failing sink)
+    is the call's error and the group's recorded cause, not a cancellation."""
+
+    async def main():
+        await g.aio.all_reduce(0, timeout=5)  # connections made: what comes next is data
+        if g.rank == 1:
+            await asyncio.sleep(0.3)  # rank 0 waits in the event loop meanwhile
+            await g.aio.all_reduce(1, timeout=5)
+            return None
+        ep = g._core.ep
+        ep.spare_cpu = False  # straight to the loop: the reader callback reads
+
+        def failing_sink(m):
+            raise RuntimeError("sink failed")
+
+        ep.sink = failing_sink
+        try:
+            await g.aio.all_reduce(1, timeout=5)
+        except RuntimeError as e:
+            first = str(e)
+        try:
+            await g.aio.barrier(timeout=5)
+        except ctrlcomm.GroupBrokenError as e:
+            then = str(e)
+        return first, then
+
+    return asyncio.run(main())
+
+
+def test_an_error_in_the_reader_callback_is_the_calls_error():
+    (first, then), _ = run_group(error_while_reading_in_the_callback, 2)
+    assert first == "sink failed"
+    assert "sink failed" in then and "cancelled" not in then, then
