@@ -86,13 +86,6 @@ class Call(NamedTuple):
     reduces: bool = False  # a reduction: the result may be an _ops.Failed, raised by the caller
 
 
-_ploads = w._ploads
-
-
-def _cannot_decode(where: str, src: int, e: Exception) -> CodecError:
-    return CodecError(f"{where}: cannot decode the object from rank {src}: "
-                      f"{type(e).__name__}: {e}")
-
 _NONE_LOST: list[int] = []  # never changed
 
 
@@ -287,7 +280,9 @@ class Core:
         try:
             return w.loads(m.payload, m.buffers, m.codec)
         except Exception as e:  # unpickling runs code: anything can come out
-            raise _cannot_decode(what if seq is None else f"{what} #{seq}", m.src, e) from e
+            where = what if seq is None else f"{what} #{seq}"
+            raise CodecError(f"{where}: cannot decode the object from rank {m.src}: "
+                             f"{type(e).__name__}: {e}") from e
 
     # --------------------------------------------------------------------------- states
 
@@ -384,13 +379,7 @@ class Core:
                 for s in recvs:
                     m = slot.pop((rnd, s))  # type: ignore[union-attr]
                     held[s] -= 1
-                    if m.codec != w.PICKLE:
-                        reply[s] = self._decode(m, name, seq)
-                        continue
-                    try:
-                        reply[s] = _ploads(m.payload, buffers=m.buffers)
-                    except Exception as e:  # unpickling runs code: anything can come out
-                        raise _cannot_decode(f"{name} #{seq}", m.src, e) from e
+                    reply[s] = self._decode(m, name, seq)
                 if self.paused:
                     self._resume_caught_up(recvs)
             self.last = (name, seq)

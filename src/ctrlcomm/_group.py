@@ -125,7 +125,7 @@ def _spec_barrier(core: Core) -> Call:
 
 def _spec_broadcast(core: Core, obj: Any, src: int) -> Call:
     root = _rank_arg(core, src, "src", "broadcast")
-    if core.rank == root and core.codec == w.MSGPACK:
+    if core.rank == root:
         _encodable(core, [obj], "broadcast")
     # only the root knows the payload; every rank must pick the same plan, so the size
     # test cannot depend on it: the small-world variant is flat whatever the size
@@ -140,8 +140,7 @@ def _spec_gather(core: Core, obj: Any, dst: int) -> Call:
 
 
 def _spec_all_gather(core: Core, obj: Any) -> Call:
-    if core.codec == w.MSGPACK:
-        _encodable(core, [obj], "all_gather")
+    _encodable(core, [obj], "all_gather")
     return Call("all_gather", choose("all_gather", core.size), (obj,),
                  w.OP_CODE["all_gather"])
 
@@ -166,8 +165,7 @@ def _reduction(core: Core, name: str, obj: Any, op: Any) -> tuple[Callable[[Any,
         if type(op) is str:
             _NAMED_REDUCTIONS[(name, op)] = named
     _ops.check_operand(op, obj, name, core.rank)
-    if core.codec == w.MSGPACK:
-        _encodable(core, [obj], name)
+    _encodable(core, [obj], name)
     return named
 
 
