@@ -9,11 +9,16 @@ waiting done by sleeping in the kernel it stays well below the latency.
 
 Systems are registered in :data:`SYSTEMS`; each is a function run in every rank that returns
 ``{(op, size): {"times": [...], "cpu": seconds_per_op}}``.
+
+Ranks run with one-thread pools in the libraries they may load (:data:`ONE_THREAD`): a pool's
+workers spin for about 0.1 s after they start (OpenBLAS, under numpy, when numpy is imported)
+and would take CPUs from the ranks, and CPU time, counted per process, would count the spin.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -28,6 +33,25 @@ SIZED_OPS = {"broadcast", "all_gather", "gather", "scatter", "all_to_all", "send
              "all_reduce"}
 ROOTED = {"broadcast", "gather", "scatter", "send_recv"}
 SMALL = 64  # sizes up to this use the "small object" payload: a dict, or two ints to reduce
+# Environment of every rank (for every system alike), unless the user set these: numpy's
+# OpenBLAS and torch's OpenMP with one thread, as torchrun starts its workers
+# (OMP_NUM_THREADS=1). Measured: a rank that imports numpy gets a worker per further CPU that
+# spins about 0.1 s; at world 2 that spin took 0.04-0.07 s of a 0.15 s run on each rank and
+# raised its CPU time per op above its wall time.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def one_thread_pools() -> Any:
+    """Set :data:`ONE_THREAD` where unset, for the processes started meanwhile."""
+    added = [k for k in ONE_THREAD if k not in os.environ]
+    for k in added:
+        os.environ[k] = ONE_THREAD[k]
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def parse_size(text: str) -> int:
@@ -329,6 +353,10 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
     ctx = mp.get_context("spawn")
 
     def run_one(n: int, system: str) -> list[Results]:
+        with one_thread_pools():  # the ranks' environment
+            return run_system(n, system)
+
+    def run_system(n: int, system: str) -> list[Results]:
         if system == "mpi":
             per_rank = run_mpi(n, cfg)
             for op, size in plan:
@@ -381,6 +409,8 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any]
     from . import Group
 
     rows = []
+    for k, v in ONE_THREAD.items():  # this process is the rank (numpy is not imported yet)
+        os.environ.setdefault(k, v)
     for system in ("ctrlcomm", "ctrlcomm-aio") if cfg.get("aio") else ("ctrlcomm",):
         c = dict(cfg, host=host, port=port, host_store=True, tag=system)
         mine = SYSTEMS[system](rank, n, c, lambda op, size: None)

@@ -58,3 +58,44 @@ def test_merge_appends_samples_and_weights_cpu():
     m = merge(a, b)
     assert m[0][("barrier", 0)] == {"times": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "cpu": 3.0}
     assert summarize(m)[("barrier", 0)]["median_us"] == 3.5e6
+
+
+def _threads_numpy_adds() -> int:
+    before = len(os.listdir("/proc/self/task"))
+    import numpy  # noqa: F401
+
+    return len(os.listdir("/proc/self/task")) - before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_bench_ranks_start_numpy_without_a_thread_pool():
+    # A numpy import starts OpenBLAS workers that spin ~0.1 s; in a rank they took the CPUs
+    # of the ranks and counted as the rank's CPU (cpu_frac 2-3 on two CPUs). Ranks are
+    # spawned inside one_thread_pools(): there numpy starts no thread.
+    import concurrent.futures
+    import multiprocessing as mp
+
+    pytest.importorskip("numpy")
+    from ctrlcomm import _bench
+
+    def spawned() -> int:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+            return ex.submit(_threads_numpy_adds).result(timeout=60)
+
+    with _bench.one_thread_pools():
+        assert spawned() == 0
+    if (os.cpu_count() or 1) > 1 and "OPENBLAS_NUM_THREADS" not in os.environ \
+            and "OMP_NUM_THREADS" not in os.environ:
+        assert spawned() > 0  # the test can see a pool where there is one
+
+
+def test_one_thread_pools_keeps_what_the_user_set(monkeypatch):
+    from ctrlcomm import _bench
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    with _bench.one_thread_pools():
+        assert os.environ["OMP_NUM_THREADS"] == "3"
+        assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+    assert "OPENBLAS_NUM_THREADS" not in os.environ
