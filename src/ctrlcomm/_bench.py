@@ -388,13 +388,19 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
         # With --repeat, the systems take turns (a, b, c, a, b, c, ...) and each one's samples
         # are pooled: a slow spell of a shared machine then falls on every system alike.
         got: dict[str, list[Results]] = {}
+        each: dict[str, list[dict[tuple[str, int], dict[str, float]]]] = {s: [] for s in systems}
         for _ in range(repeat):
             for system in systems:
                 per_rank = run_one(n, system)
+                each[system].append(summarize(per_rank))
                 got[system] = per_rank if system not in got else merge(got[system], per_rank)
         for system in systems:
             for (op, size), fig in summarize(got[system]).items():
-                rows.append({"system": system, "op": op, "size": size, "world_size": n, **fig})
+                row = {"system": system, "op": op, "size": size, "world_size": n, **fig}
+                if repeat > 1:
+                    # each run's own median: how far a slow spell of the machine moved it
+                    row["repeat_median_us"] = [r[(op, size)]["median_us"] for r in each[system]]
+                rows.append(row)
     bar.end()
     return rows
 

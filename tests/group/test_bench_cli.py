@@ -48,6 +48,9 @@ def test_bench_repeat_pools_the_samples_of_alternating_runs(tmp_path):
     assert data["config"]["repeat"] == 2
     assert {(r["system"], r["op"]) for r in data["results"]} == {
         (s, o) for s in ("ctrlcomm", "ctrlcomm-aio") for o in ("barrier", "all_reduce")}
+    for r in data["results"]:  # and each run's own median beside the pooled one
+        assert len(r["repeat_median_us"]) == 2 and all(m > 0 for m in r["repeat_median_us"])
+        assert min(r["repeat_median_us"]) <= r["median_us"] <= max(r["repeat_median_us"])
 
 
 def test_merge_appends_samples_and_weights_cpu():
