@@ -85,11 +85,10 @@ def test_bench_ranks_start_numpy_without_a_thread_pool():
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
             return ex.submit(_threads_numpy_adds).result(timeout=60)
 
+    if spawned() == 0:  # (one CPU, a numpy without a pool, or the user set the variables)
+        pytest.skip("numpy starts no thread here: nothing to check")
     with _bench.one_thread_pools():
         assert spawned() == 0
-    if (os.cpu_count() or 1) > 1 and "OPENBLAS_NUM_THREADS" not in os.environ \
-            and "OMP_NUM_THREADS" not in os.environ:
-        assert spawned() > 0  # the test can see a pool where there is one
 
 
 def test_one_thread_pools_keeps_what_the_user_set(monkeypatch):
