@@ -415,11 +415,10 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any]
     from . import Group
 
     rows = []
-    for k, v in ONE_THREAD.items():  # this process is the rank (numpy is not imported yet)
-        os.environ.setdefault(k, v)
     for system in ("ctrlcomm", "ctrlcomm-aio") if cfg.get("aio") else ("ctrlcomm",):
         c = dict(cfg, host=host, port=port, host_store=True, tag=system)
-        mine = SYSTEMS[system](rank, n, c, lambda op, size: None)
+        with one_thread_pools():  # this process is the rank: its own environment
+            mine = SYSTEMS[system](rank, n, c, lambda op, size: None)
         with Group.create(host, port, rank, n, name=f"results-{system}", timeout=300) as g:
             everyone = g.gather(mine, dst=0)
         if everyone is not None:
