@@ -29,6 +29,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
+from pickle import loads as _ploads
 from typing import Any, NamedTuple
 
 from . import _plans
@@ -75,6 +76,12 @@ def describe(op: int, root: int) -> str:
     return parts[0] + (f"({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
+def _undecodable(m: w.Message, what: str, seq: int | None, e: Exception) -> CodecError:
+    where = what if seq is None else f"{what} #{seq}"
+    return CodecError(f"{where}: cannot decode the object from rank {m.src}: "
+                      f"{type(e).__name__}: {e}")
+
+
 class Call(NamedTuple):
     """A collective to run: its plan is called as ``plan(ctx, *args)``."""
 
@@ -86,7 +93,7 @@ class Call(NamedTuple):
     reduces: bool = False  # a reduction: the result may be an _ops.Failed, raised by the caller
 
 
-_NONE_LOST: list[int] = []  # never changed
+_NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
 
 
 class Core:
@@ -104,7 +111,9 @@ class Core:
         self.seq = 0  # next collective's sequence number
         # collective messages: seq -> {(round, src): message}; held[src] counts them per sender
         self.box: dict[int, dict[tuple[int, int], w.Message]] = {}
-        self.held: Counter[int] = Counter()
+        # a plain dict, one entry per rank (a Counter, a dict subclass, is read and written
+        # the slow way: this is counted twice per message)
+        self.held: dict[int, int] = dict.fromkeys(range(size), 0)
         self.paused: set[int] = set()
         self.p2p: dict[tuple[int, int], deque[w.Message]] = {}
         self.p2p_in: dict[int, int] = {}  # next point-to-point number expected per sender
@@ -206,8 +215,8 @@ class Core:
                 return None
             slot[key] = m
             held = self.held
-            held[src] += 1
-            if held[src] >= HOLD_HIGH and src not in self.paused:
+            n = held[src] = held[src] + 1
+            if n >= HOLD_HIGH and src not in self.paused:
                 # this peer is far ahead: stop reading its stream (what this rank needs from
                 # it came first, being of an earlier seq) until it has caught up
                 self.paused.add(src)
@@ -280,9 +289,7 @@ class Core:
         try:
             return w.loads(m.payload, m.buffers, m.codec)
         except Exception as e:  # unpickling runs code: anything can come out
-            where = what if seq is None else f"{what} #{seq}"
-            raise CodecError(f"{where}: cannot decode the object from rank {m.src}: "
-                             f"{type(e).__name__}: {e}") from e
+            raise _undecodable(m, what, seq, e) from e
 
     # --------------------------------------------------------------------------- states
 
@@ -367,19 +374,28 @@ class Core:
                     if self.state == "broken":
                         raise self.cause  # type: ignore[misc]
                     slot = box.get(seq)
-                    missing = [s for s in recvs if (rnd, s) not in slot] if slot \
-                        else list(recvs)
-                    if not missing:
-                        break
+                    if slot:
+                        for s in recvs:
+                            if (rnd, s) not in slot:
+                                break
+                        else:
+                            break  # all in
+                        missing = [s for s in recvs if (rnd, s) not in slot]
+                    else:
+                        missing = list(recvs)
                     yield self._wait(missing, deadline, t, name, seq)
                     if ep.closed:
                         self.pump()  # raises
                     ep.drain(self._sink)
                 held = self.held
                 for s in recvs:
-                    m = slot.pop((rnd, s))  # type: ignore[union-attr]
+                    m = slot.pop((rnd, s))
                     held[s] -= 1
-                    reply[s] = self._decode(m, name, seq)
+                    try:  # self._decode, without two calls for the usual codec
+                        reply[s] = _ploads(m.payload, buffers=m.buffers) \
+                            if m.codec == w.PICKLE else w.loads(m.payload, m.buffers, m.codec)
+                    except Exception as e:  # unpickling runs code: anything can come out
+                        raise _undecodable(m, name, seq, e) from e
                 if self.paused:
                     self._resume_caught_up(recvs)
             self.last = (name, seq)
@@ -402,8 +418,9 @@ class Core:
                 self._release([src for _, src in left])
             self.active = None
             self.mismatch = None
-            self.waiting_for = []
-            self.leave()
+            self.waiting_for = _NONE_LOST
+            self._owner = ""  # self.leave(), inline
+            self._lock.release()
 
     def _release(self, srcs: Sequence[int]) -> None:
         """One message of each of ``srcs`` left the mailbox."""
@@ -428,9 +445,9 @@ class Core:
                 break
         else:  # one object for every destination (a single send, a root's result)
             payload, bufs = w.dumps(obj, codec)
-            ep.send_many([d for d, _ in sends], w.frames(w.COLL, self.rank, self.group_id, seq,
-                                                         rnd, opcode, root, codec, payload,
-                                                         bufs, key))
+            dsts = [sends[0][0]] if len(sends) == 1 else [d for d, _ in sends]
+            ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
+                                        root, codec, payload, bufs, key))
             self.sent += len(sends)
             return
         # else one encoding per distinct object

@@ -112,6 +112,10 @@ def _encodable(core: Core, objs: Sequence[Any], op: str) -> None:
 
 
 _NO_ARGS: tuple[Any, ...] = ()
+# the calls made most often build their Call with tuple.__new__: a named tuple's own __new__
+# is a Python function, one more frame per call (all six fields are given)
+_new_call = tuple.__new__
+_BROADCAST, _ALL_GATHER = w.OP_CODE["broadcast"], w.OP_CODE["all_gather"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -125,12 +129,12 @@ def _spec_barrier(core: Core) -> Call:
 
 def _spec_broadcast(core: Core, obj: Any, src: int) -> Call:
     root = _rank_arg(core, src, "src", "broadcast")
-    if core.rank == root:
+    if core.rank == root and core.codec == w.MSGPACK:
         _encodable(core, [obj], "broadcast")
     # only the root knows the payload; every rank must pick the same plan, so the size
     # test cannot depend on it: the small-world variant is flat whatever the size
-    return Call("broadcast", choose("broadcast", core.size), (obj, root),
-                 w.OP_CODE["broadcast"], root)
+    return _new_call(Call, ("broadcast", choose("broadcast", core.size), (obj, root),
+                            _BROADCAST, root, False))
 
 
 def _spec_gather(core: Core, obj: Any, dst: int) -> Call:
@@ -140,9 +144,10 @@ def _spec_gather(core: Core, obj: Any, dst: int) -> Call:
 
 
 def _spec_all_gather(core: Core, obj: Any) -> Call:
-    _encodable(core, [obj], "all_gather")
-    return Call("all_gather", choose("all_gather", core.size), (obj,),
-                 w.OP_CODE["all_gather"])
+    if core.codec == w.MSGPACK:
+        _encodable(core, [obj], "all_gather")
+    return _new_call(Call, ("all_gather", choose("all_gather", core.size), (obj,),
+                            _ALL_GATHER, w.NO_ROOT, False))
 
 
 def _spec_scatter(core: Core, objs: Any, src: int) -> Call:
@@ -165,7 +170,8 @@ def _reduction(core: Core, name: str, obj: Any, op: Any) -> tuple[Callable[[Any,
         if type(op) is str:
             _NAMED_REDUCTIONS[(name, op)] = named
     _ops.check_operand(op, obj, name, core.rank)
-    _encodable(core, [obj], name)
+    if core.codec == w.MSGPACK:
+        _encodable(core, [obj], name)
     return named
 
 
@@ -178,8 +184,8 @@ def _spec_reduce(core: Core, obj: Any, op: Any, dst: int) -> Call:
 
 def _spec_all_reduce(core: Core, obj: Any, op: Any) -> Call:
     combine, code = _reduction(core, "all_reduce", obj, op)
-    return Call("all_reduce", choose("all_reduce", core.size), (obj, combine), code,
-                 w.NO_ROOT, True)
+    return _new_call(Call, ("all_reduce", choose("all_reduce", core.size), (obj, combine),
+                            code, w.NO_ROOT, True))
 
 
 def _spec_all_to_all(core: Core, objs: Any) -> Call:

@@ -392,6 +392,9 @@ def stream_prefix(frames: Sequence[Any]) -> bytes:
 
 _PREFIX = {n: struct.Struct(f"<2sH{n}Q") for n in range(1, 5)}
 PREFIX2 = _PREFIX[2]  # the prefix of the usual message: header and payload
+# that prefix and the header, read in one go by StreamDecoder.messages
+_FAST2 = struct.Struct(PREFIX2.format + HEADER.format[1:])
+_new_tuple = tuple.__new__
 
 
 def stream_prefix_lens(lens: Sequence[int]) -> bytes:
@@ -444,23 +447,22 @@ class StreamDecoder:
         if key is None and not self.buf and self._lens is None and self.error is None:
             pos = 0
             out: list[Message | None] = []
-            p2, head, hsize = PREFIX2, HEADER, HEADER.size
+            fast, fsize, hsize = _FAST2, _FAST2.size, HEADER.size
+            hmax = self.max_message - hsize
             while pos < end:
-                if end - pos < p2.size:
+                if end - pos < fsize:
                     break
-                magic, n, a, b = p2.unpack_from(buf, pos)
-                p = pos + p2.size
-                if magic != STREAM_MAGIC or n != 2 or a != hsize or p + a + b > end \
-                        or a + b > self.max_message:
-                    break
-                (magic, version, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf) = (
-                    head.unpack_from(buf, p))
-                if magic != MAGIC or version != VERSION or kind not in KINDS \
+                (smagic, n, a, b, magic, version, kind, op, codec, flags, src, gid, seq, rnd,
+                 root, nbuf) = fast.unpack_from(buf, pos)
+                p = pos + fsize
+                if smagic != STREAM_MAGIC or n != 2 or a != hsize or p + b > end or b > hmax \
+                        or magic != MAGIC or version != VERSION or kind not in KINDS \
                         or codec not in CODECS or flags or nbuf:
                     break  # not the usual message: decode() says what is wrong with it
-                pos = p + a + b
-                out.append(Message(kind, src, gid, seq, rnd, op, root, codec,
-                                   buf[p + a : pos]))  # a copy (bytes or bytearray)
+                pos = p + b
+                # tuple.__new__: a Message without its Python-level __new__ (one per message)
+                out.append(_new_tuple(Message, (kind, src, gid, seq, rnd, op, root, codec,
+                                                buf[p:pos], ())))  # a copy of the payload
             else:
                 return out
             # the rest the general way (what was decoded above is decoded again)
