@@ -93,6 +93,7 @@ class Call(NamedTuple):
     reduces: bool = False  # a reduction: the result may be an _ops.Failed, raised by the caller
 
 
+_monotonic = time.monotonic
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
 
 
@@ -333,14 +334,14 @@ class Core:
         nothing.) This loop runs for every call: it is kept flat.
         """
         name, opcode, root = call.name, call.opcode, call.root
-        if self.state != "open" or not self._lock.acquire(blocking=False):
+        if self.state != "open" or not self._lock.acquire(False):  # False: do not block
             self.enter(name)  # raises: closed, broken, or busy
         self._owner = name
         seq = self.seq
         self.seq = seq + 1
         self.active = (name, seq, opcode, root)
         t = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + t
+        deadline = _monotonic() + t
         box = self.box
         ep = self.ep
         try:
@@ -495,7 +496,7 @@ class Core:
                     self.paused.discard(s)
                     self.ep.resume(s)
         self.waiting_for = missing
-        now = time.monotonic()
+        now = _monotonic()
         if now < self._live_until and not self.gone and not self.suspects:
             lost, suspect_at = _NONE_LOST, self._live_until  # the usual case, cheaply
         else:

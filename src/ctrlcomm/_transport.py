@@ -483,7 +483,7 @@ def _parse_tcp(endpoint: str) -> tuple[int, tuple[str, int]]:
 
 class _Conn:
     __slots__ = ("sock", "fd", "inbound", "rank", "decoder", "pending", "connecting", "events",
-                 "backlog", "paused")
+                 "backlog", "paused", "lost")
 
     def __init__(self, sock: socket.socket, inbound: bool, rank: int | None) -> None:
         self.sock = sock
@@ -496,6 +496,7 @@ class _Conn:
         self.events = -1
         self.backlog = 0  # bytes in pending
         self.paused = False
+        self.lost = False  # dropped: its socket is closed
 
 
 _PREFIX2, _STREAM_MAGIC = w.PREFIX2, w.STREAM_MAGIC
@@ -715,7 +716,7 @@ class TcpEndpoint:
         c = self.out.get(dst)
         if c is None:
             c = self._connect(dst)
-        if c.sock.fileno() < 0:  # lost: the core already knows
+        if c.lost:  # the core already knows
             return
         if c.pending or c.connecting:
             self._queue(c, parts, 0)
@@ -810,6 +811,7 @@ class TcpEndpoint:
                 pass
         if c.inbound:
             self.inbound -= 1
+        c.lost = True
         c.sock.close()
         c.pending.clear()
 
