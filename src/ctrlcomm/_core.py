@@ -43,7 +43,7 @@ from ._errors import (
     MismatchError,
     PeerLostError,
 )
-from ._transport import Heartbeat, TcpEndpoint, ZmqEndpoint
+from ._transport import COPY_THRESHOLD, Heartbeat, TcpEndpoint, ZmqEndpoint
 
 # Seconds before a deadline at which a rank asks the peers it waits for what they are doing,
 # so that the timeout error can say it (capped at a tenth of the timeout).
@@ -139,6 +139,8 @@ class Core:
         self._live_until = 0.0  # until then no peer's heartbeats can be overdue
         self._probed = False  # whether the current step asked the ranks it waits for
         self._looked = False  # whether it read its sockets once more at the deadline
+        # messages without a MAC go to a stream endpoint framed in one piece (Core._post)
+        self._stream = endpoint.STREAM and not key
         endpoint.on_lost = self._lost
         endpoint.key = key
         self._sink = endpoint.sink = self._accept
@@ -447,8 +449,14 @@ class Core:
         else:  # one object for every destination (a single send, a root's result)
             payload, bufs = w.dumps(obj, codec)
             dsts = [sends[0][0]] if len(sends) == 1 else [d for d, _ in sends]
-            ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
-                                        root, codec, payload, bufs, key))
+            if self._stream and not bufs and type(payload) is bytes \
+                    and len(payload) < COPY_THRESHOLD:  # the usual: one piece, framed at once
+                ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint (STREAM)
+                    dsts, w.stream_message(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
+                                           root, codec, payload))
+            else:
+                ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
+                                            root, codec, payload, bufs, key))
             self.sent += len(sends)
             return
         # else one encoding per distinct object

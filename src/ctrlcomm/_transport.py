@@ -157,6 +157,8 @@ def _bind_error(e: zmq.ZMQError, what: str, addr: str) -> CtrlcommError:
 class ZmqEndpoint:
     """A rank's sockets in one group, over ZeroMQ (``transport="zmq"``)."""
 
+    STREAM = False  # frames only (ZeroMQ's own framing)
+
     kind = "zmq"
 
     def __init__(self, bind_host: str, *, ipv6: bool = False,
@@ -569,6 +571,8 @@ class TcpEndpoint:
     always, ``0`` never (not even listening).
     """
 
+    STREAM = True  # takes messages in the stream framing (send_framed)
+
     kind = "tcp"
 
     def __init__(self, bind_host: str, *, on_lost: Callable[[int, str, bool], None] | None = None,
@@ -694,6 +698,14 @@ class TcpEndpoint:
     def send(self, dst: int, frames: Sequence[Any]) -> None:
         """Queue a message for ``dst``; never waits for the peer."""
         self.send_many((dst,), frames)
+
+    def send_framed(self, dsts: Sequence[int], data: bytes) -> None:
+        """Queue ``data``, a message in the stream framing already (:func:`w.stream_message`),
+        for each of ``dsts``."""
+        parts = [data]
+        total = len(data)
+        for dst in dsts:
+            self._send_parts(dst, parts, total)
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""

@@ -262,3 +262,20 @@ def test_messages_one_pass_checks_the_header_as_decode_does():
             data = bytearray(_stream([good, frames, good]))
             want = [w.decode_or_none(f) for f in w.StreamDecoder().feed(data)]
             assert w.StreamDecoder().messages(data, len(data)) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(w.KINDS)), st.integers(0, 2**31 - 1), st.integers(0, 2**64 - 1),
+       st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1), st.integers(0, 255),
+       st.integers(-(2**31), 2**31 - 1), st.sampled_from(sorted(w.CODECS)),
+       st.binary(max_size=100))
+def test_stream_message_is_the_framing_of_its_frames(kind, src, gid, seq, rnd, op, root, codec,
+                                                     payload):
+    # the one-piece framing of the usual message: the same bytes as the prefix and frames
+    # joined, and it decodes back (both ways) to the message it was built from
+    frames = w.frames(kind, src, gid, seq, rnd, op, root, codec, payload)
+    data = w.stream_message(kind, src, gid, seq, rnd, op, root, codec, payload)
+    assert data == w.stream_prefix(frames) + b"".join(frames)
+    want = w.Message(kind, src, gid, seq, rnd, op, root, codec, payload)
+    assert w.StreamDecoder().messages(bytearray(data), len(data)) == [want]
+    assert [w.decode(f) for f in w.StreamDecoder().feed(data)] == [want]
