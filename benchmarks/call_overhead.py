@@ -19,6 +19,7 @@ from ctrlcomm._group import Group
 class AnsweringEndpoint:
     """Stands in for the root: every message sent gets the same payload back from rank 0."""
 
+    STREAM = True  # takes the usual message framed in one piece, as TcpEndpoint does
     closed = False
     unflushed: frozenset[int] = frozenset()
     key = None
@@ -26,11 +27,16 @@ class AnsweringEndpoint:
     def __init__(self) -> None:
         self.pending: list[w.Message] = []
 
+    def _answer(self, header: tuple, payload: bytes) -> None:
+        op, seq, rnd = header[3], header[8], header[9]
+        self.pending.append(w.Message(w.COLL, 0, 1, seq, rnd, op, w.NO_ROOT, w.PICKLE, payload))
+
+    def send_framed(self, dsts, data: bytes) -> None:
+        start = w.PREFIX2.size + w.HEADER.size
+        self._answer(w.HEADER.unpack_from(data, w.PREFIX2.size), data[start:])
+
     def send_many(self, dsts, frames) -> None:
-        h = w.HEADER.unpack(frames[0])
-        op, seq, rnd = h[3], h[8], h[9]
-        self.pending.append(w.Message(w.COLL, 0, 1, seq, rnd, op, w.NO_ROOT, w.PICKLE,
-                                      frames[1]))
+        self._answer(w.HEADER.unpack(frames[0]), frames[1])
 
     def drain(self, sink) -> int:
         got, self.pending = self.pending, []
@@ -48,12 +54,18 @@ class AnsweringEndpoint:
         pass
 
 
-def main() -> None:
-    ops = sys.argv[1:] or ["barrier", "all_reduce", "all_gather"]
+def answered_group() -> Group:
+    """Rank 1 of a world-4 group whose endpoint answers at once (for the tests too)."""
     core = Core(name="bench", rank=1, size=4, group_id=1, endpoint=AnsweringEndpoint(),
                 codec=w.PICKLE, key=None, timeout=10.0)
     g = Group.__new__(Group)
     g._core = core
+    return g
+
+
+def main() -> None:
+    ops = sys.argv[1:] or ["barrier", "all_reduce", "all_gather"]
+    g = answered_group()
     calls = {"barrier": lambda: g.barrier(),
              "all_reduce": lambda: g.all_reduce([1, 2], op="max"),
              "all_gather": lambda: g.all_gather({"rank": 1})}
