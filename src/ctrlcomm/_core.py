@@ -107,6 +107,8 @@ class Core:
         self.group_id = group_id
         self.ep = endpoint
         self.codec = codec
+        # a data-only group never unpickles, whatever codec a message's header names
+        self._unpickle = codec == w.PICKLE
         self.key = key
         self.timeout = timeout
         self.seq = 0  # next collective's sequence number
@@ -290,7 +292,7 @@ class Core:
 
     def _decode(self, m: w.Message, what: str, seq: int | None = None) -> Any:
         try:
-            return w.loads(m.payload, m.buffers, m.codec)
+            return w.loads(m.payload, m.buffers, m.codec, self._unpickle)
         except Exception as e:  # unpickling runs code: anything can come out
             raise _undecodable(m, what, seq, e) from e
 
@@ -396,7 +398,8 @@ class Core:
                     held[s] -= 1
                     try:  # self._decode, without two calls for the usual codec
                         reply[s] = _ploads(m.payload, buffers=m.buffers) \
-                            if m.codec == w.PICKLE else w.loads(m.payload, m.buffers, m.codec)
+                            if m.codec == w.PICKLE and self._unpickle \
+                            else w.loads(m.payload, m.buffers, m.codec, self._unpickle)
                     except Exception as e:  # unpickling runs code: anything can come out
                         raise _undecodable(m, name, seq, e) from e
                 if self.paused:

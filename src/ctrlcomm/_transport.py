@@ -498,7 +498,7 @@ class _Conn:
         self.events = -1
         self.backlog = 0  # bytes in pending
         self.paused = False
-        self.lost = False  # dropped: its socket is closed
+        self.lost = False  # dropped (its socket closed): sends to it are skipped
 
 
 _PREFIX2, _STREAM_MAGIC = w.PREFIX2, w.STREAM_MAGIC
@@ -1146,6 +1146,7 @@ def _linger(conns: list[_Conn], close: bool = True) -> None:
             pass
         finally:
             if close:
+                c.lost = True
                 c.sock.close()
 
 

@@ -254,9 +254,14 @@ def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
     raise CodecError(f"unknown codec {codec}")
 
 
-def loads(payload: Any, buffers: Sequence[Any], codec: int) -> Any:
-    """Decode a payload (authenticated already, where the group has a key)."""
+def loads(payload: Any, buffers: Sequence[Any], codec: int, unpickle: bool = True) -> Any:
+    """Decode a payload (authenticated already, where the group has a key). ``codec`` is the
+    one the header names: with ``unpickle`` false (a data-only group) a pickled payload is
+    refused, not loaded, whatever the sender says."""
     if codec == PICKLE:
+        if not unpickle:
+            raise CodecError("the payload is pickled, and this group never unpickles (its "
+                             "codec is msgpack: every rank of a group must use the same)")
         return _ploads(payload, buffers=buffers)
     if codec == MSGPACK:
         from . import _msgpack

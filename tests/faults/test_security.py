@@ -3,6 +3,7 @@
 import gc
 import logging
 import os
+import pickle
 import random
 import socket
 import struct
@@ -100,6 +101,44 @@ def test_data_only_codec():
         assert out[1] == (1, 2)
         assert "msgpack" in out[2] and "object" in out[2]
         assert out[3] == 2
+
+
+class _OpensAFile:
+    """Unpickling this creates the file: proof that a payload was unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def pickle_into_msgpack_group(g, marker):
+    core = g._core
+    if g.rank == 1:
+        # rank 1 (misconfigured, or not what it claims) sends its all_gather contribution
+        # pickled, with a header that says so, to a group whose codec is msgpack
+        payload = pickle.dumps(_OpensAFile(marker), protocol=5)
+        core.ep.send(0, w.encode(w.Message(w.COLL, 1, core.group_id, core.seq, 0,
+                                           w.OP_CODE["all_gather"], w.NO_ROOT, w.PICKLE,
+                                           payload)))
+        try:
+            g.recv(0, timeout=20)  # until rank 0 is done and closes the group
+        except ctrlcomm.PeerLostError:
+            pass
+        return None
+    try:
+        g.all_gather({"rank": 0})
+    except ctrlcomm.CodecError as e:
+        return str(e)
+    return "decoded"
+
+
+def test_data_only_group_never_unpickles_whatever_the_header_says(tmp_path):
+    marker = str(tmp_path / "unpickled")
+    out = run_group(pickle_into_msgpack_group, 2, marker, group_kwargs={"codec": "msgpack"})
+    assert not os.path.exists(marker)
+    assert "rank 1" in out[0] and "never unpickles" in out[0]
 
 
 def test_binding_every_interface_without_key_warns(caplog):
