@@ -29,7 +29,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
-from pickle import loads as _ploads
 from typing import Any, NamedTuple
 
 from . import _plans
@@ -94,6 +93,7 @@ class Call(NamedTuple):
 
 
 _monotonic = time.monotonic
+_ploads = w._ploads  # the usual payload is decoded in line (w.loads without its call)
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
 
 

@@ -485,7 +485,7 @@ def _parse_tcp(endpoint: str) -> tuple[int, tuple[str, int]]:
 
 class _Conn:
     __slots__ = ("sock", "fd", "inbound", "rank", "decoder", "pending", "connecting", "events",
-                 "backlog", "paused", "lost")
+                 "backlog", "paused")
 
     def __init__(self, sock: socket.socket, inbound: bool, rank: int | None) -> None:
         self.sock = sock
@@ -498,7 +498,6 @@ class _Conn:
         self.events = -1
         self.backlog = 0  # bytes in pending
         self.paused = False
-        self.lost = False  # dropped (its socket closed): sends to it are skipped
 
 
 _PREFIX2, _STREAM_MAGIC = w.PREFIX2, w.STREAM_MAGIC
@@ -728,7 +727,7 @@ class TcpEndpoint:
         c = self.out.get(dst)
         if c is None:
             c = self._connect(dst)
-        if c.lost:  # the core already knows
+        if c.sock.fileno() < 0:  # lost: the core already knows
             return
         if c.pending or c.connecting:
             self._queue(c, parts, 0)
@@ -823,7 +822,6 @@ class TcpEndpoint:
                 pass
         if c.inbound:
             self.inbound -= 1
-        c.lost = True
         c.sock.close()
         c.pending.clear()
 
@@ -1146,7 +1144,6 @@ def _linger(conns: list[_Conn], close: bool = True) -> None:
             pass
         finally:
             if close:
-                c.lost = True
                 c.sock.close()
 
 
