@@ -376,18 +376,21 @@ class Core:
                 while True:
                     if self.mismatch is not None:
                         raise self.mismatch
-                    if self.state == "broken":
-                        raise self.cause  # type: ignore[misc]
                     slot = box.get(seq)
                     if slot:
                         for s in recvs:
                             if (rnd, s) not in slot:
                                 break
                         else:
-                            break  # all in
+                            # all in: this step completed, even if the group broke meanwhile
+                            # (an abort of a later call, read with its last message: the
+                            # next step that must wait, or the next call, raises)
+                            break
                         missing = [s for s in recvs if (rnd, s) not in slot]
                     else:
                         missing = list(recvs)
+                    if self.state == "broken":
+                        raise self.cause  # type: ignore[misc]
                     yield self._wait(missing, deadline, t, name, seq)
                     if ep.closed:
                         self.pump()  # raises

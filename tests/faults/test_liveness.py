@@ -1,12 +1,14 @@
 """Lost peers: killed, stopped, aborting. Every survivor fails fast, naming the lost rank."""
 
 import os
+import pickle
 import signal
 import time
 
 import pytest
 
 import ctrlcomm
+from ctrlcomm import _wire as w
 from ctrlcomm.testing import run_ranks
 
 
@@ -100,6 +102,43 @@ def test_abort_tells_every_peer_and_survivors_reform(store):
         assert ranks == [1] and "out of memory on the GPU" in msg
         assert took < 2.0
         assert again == [0, 2, 3]
+
+
+def abort_read_with_last_message(rank, size, port, early):
+    """Rank 1 sends its all_gather contribution and, in the same write, an abort (as a rank
+    does that completes a call and fails in the next): rank 0 reads both at once."""
+    g = _group(rank, size, port, name=f"abort-late-{early}")
+    g.barrier()
+    core = g._core
+    if rank == 1:
+        mine = w.stream_message(w.COLL, 1, core.group_id, core.seq, 0,
+                                w.OP_CODE["all_gather"], w.NO_ROOT, w.PICKLE,
+                                pickle.dumps("from 1", protocol=5))
+        abort = w.encode(w.Message(w.ABORT, 1, core.group_id, 0, 0,
+                                   payload=b"failed in the next call"))
+        core.ep.send_framed([0], mine + w.stream_prefix(abort) + b"".join(abort))
+        try:
+            g.recv(0, timeout=20)  # until rank 0 is done and closes the group
+        except ctrlcomm.PeerLostError:
+            pass
+        return None
+    if early:
+        time.sleep(0.3)  # both messages are in the socket before the call starts
+    got = g.all_gather("from 0")
+    try:
+        g.barrier()
+    except ctrlcomm.GroupBrokenError as e:  # broken before the call: it says why
+        return got, e.__cause__.ranks, str(e)
+    return got, "no error"
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["sent-right-away",
+                                                      "there-before-the-call"])
+def test_a_call_completed_before_an_abort_returns_and_the_next_raises(store, early):
+    res = run_ranks(abort_read_with_last_message, 2, store.port, early)
+    got, ranks, msg = res[0]
+    assert got == ["from 0", "from 1"]  # raised PeerLostError before the fix
+    assert ranks == [1] and "rank 1 aborted" in msg and "failed in the next call" in msg
 
 
 def idle_peer_is_not_lost(rank, size, port):
