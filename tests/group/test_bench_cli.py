@@ -36,6 +36,93 @@ def test_bench_local_with_aio_json_and_comparison(tmp_path):
 def test_bench_rejects_unknown_ops_and_systems():
     assert run("--ops", "allreduce").returncode == 2
     assert run("--against", "nccl").returncode == 2
+    p = run("--rank", "0", "--world-size", "2")  # multi-host mode without --host/--port
+    assert p.returncode == 2 and "--host" in p.stderr
+
+
+OPS4 = ("barrier", "all_reduce", "broadcast", "all_gather")
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_bench_against_every_baseline_over_two_world_sizes_with_a_plot(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    from ctrlcomm._baselines import missing
+
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    p = run("-n", "2,3", "--ops", ",".join(OPS4), "--sizes", "8,1K", "--iters", "6",
+            "--warmup", "2", "--against", "gloo,mpi,store", "--json", str(out),
+            "--plot", str(png))
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(out.read_text())["results"]
+    want = ["ctrlcomm", "gloo", "store", "star"]  # star (Megatron's design) comes with gloo
+    if missing("mpi") is None:  # the test command installs mpi4py and MPICH
+        want.append("mpi")
+    else:
+        assert "skipping mpi:" in p.stderr
+    assert {r["system"] for r in rows} == set(want)
+    cells = {(op, size, n) for n in (2, 3) for op in OPS4
+             for size in ((0,) if op == "barrier" else (8, 1024))}
+    for system in want:
+        got = {(r["op"], r["size"], r["world_size"]) for r in rows if r["system"] == system}
+        # the star baseline is all_reduce of a few ints only, as Megatron's original
+        assert got == {c for c in cells if system != "star" or c[:2] == ("all_reduce", 8)}, \
+            system
+    for r in rows:
+        assert r["median_us"] > 0 and r["p99_us"] >= r["median_us"] and r["cpu_us"] > 0
+    # the table: a column group per system, each but ctrlcomm with its ratio to ctrlcomm
+    head, _, *lines = p.stdout.splitlines()
+    assert all(f"{s} med" in head for s in want)
+    barrier2 = next(line for line in lines if line.split()[:3] == ["barrier", "-", "2"])
+    assert barrier2.count("x") >= len(want) - 2  # ratios (star has no barrier: n/a)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_skips_a_system_that_is_not_installed_with_a_message(tmp_path):
+    # torch and mpi4py made unimportable in the bench's own process (its ranks do not
+    # need them): gloo and mpi are skipped, saying why, and ctrlcomm still runs
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['mpi4py'] = None; "
+            "from ctrlcomm._cli import main; sys.exit(main(sys.argv[1:]))")
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-c", code, "bench", "-n", "2", "--ops", "barrier",
+                        "--iters", "5", "--warmup", "1", "--against", "gloo,mpi",
+                        "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "skipping gloo: torch is not installed" in p.stderr
+    assert "skipping mpi: mpi4py is not installed" in p.stderr
+    assert {r["system"] for r in json.loads(out.read_text())["results"]} == {"ctrlcomm"}
+
+
+@pytest.mark.slow
+def test_bench_multihost_mode_one_process_per_rank(tmp_path):
+    # each rank started on its own, as on separate hosts (here all on loopback): rank 0
+    # hosts the store, gathers every rank's figures, prints the table and writes the JSON
+    from ctrlcomm.testing import free_port
+
+    out = tmp_path / "mh.json"
+    common = ["--host", "127.0.0.1", "--port", str(free_port()), "--world-size", "3",
+              "--ops", "barrier,all_reduce,send_recv", "--iters", "10", "--warmup", "2",
+              "--aio"]
+    procs = [subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", *common,
+                               "--rank", str(r), *(["--json", str(out)] if r == 0 else [])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (1, 2, 0)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    (o1, _), (o2, _), (o0, _) = outs
+    assert o1 == o2 == ""  # only rank 0 reports
+    assert "ctrlcomm-aio med" in o0 and "send_recv" in o0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["system"], r["op"], r["world_size"]) for r in rows} == {
+        (s, op, 3) for s in ("ctrlcomm", "ctrlcomm-aio")
+        for op in ("barrier", "all_reduce", "send_recv")}
+    assert all(r["median_us"] > 0 for r in rows)
 
 
 def test_bench_repeat_pools_the_samples_of_alternating_runs(tmp_path):
