@@ -188,3 +188,28 @@ def test_one_thread_pools_keeps_what_the_user_set(monkeypatch):
         assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
     assert os.environ["OMP_NUM_THREADS"] == "3"
     assert "OPENBLAS_NUM_THREADS" not in os.environ
+
+
+def test_bench_sizes_parse_as_the_issue_writes_them():
+    from ctrlcomm._bench import fmt_size, parse_size
+
+    assert [parse_size(s) for s in "8,1K,64K,1M,2MiB,1.5k".split(",")] == [
+        8, 1024, 65536, 1 << 20, 2 << 20, 1536]
+    assert [fmt_size(n) for n in (8, 1024, 65536, 1 << 20, 1536)] == ["8", "1K", "64K", "1M",
+                                                                     "1536"]
+
+
+@pytest.mark.slow
+def test_bench_runs_every_op_by_default_blocking_and_awaited(tmp_path):
+    # no --ops: all eight, each sized one at each size; a world of 3 (not a power of two)
+    out = tmp_path / "r.json"
+    p = run("-n", "3", "--sizes", "8,64K", "--iters", "5", "--warmup", "1", "--aio",
+            "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    from ctrlcomm._bench import DEFAULT_OPS
+
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["system"], r["op"], r["size"]) for r in rows} == {
+        (s, op, size) for s in ("ctrlcomm", "ctrlcomm-aio") for op in DEFAULT_OPS
+        for size in ((0,) if op == "barrier" else (8, 65536))}
+    assert all(r["world_size"] == 3 and r["median_us"] > 0 for r in rows)
