@@ -111,6 +111,9 @@ def abort_read_with_last_message(rank, size, port, early):
     g.barrier()
     core = g._core
     if rank == 1:
+        # not before rank 0 is out of the barrier: read with the barrier's message, the
+        # abort would break the group before the all_gather (which then rightly raises)
+        g.store.wait([f"abort-late-{early}/0 left the barrier"], timeout=30)
         mine = w.stream_message(w.COLL, 1, core.group_id, core.seq, 0,
                                 w.OP_CODE["all_gather"], w.NO_ROOT, w.PICKLE,
                                 pickle.dumps("from 1", protocol=5))
@@ -122,6 +125,7 @@ def abort_read_with_last_message(rank, size, port, early):
         except ctrlcomm.PeerLostError:
             pass
         return None
+    g.store.set(f"abort-late-{early}/0 left the barrier", "1")
     if early:
         time.sleep(0.3)  # both messages are in the socket before the call starts
     got = g.all_gather("from 0")
