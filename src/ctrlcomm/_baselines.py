@@ -32,6 +32,10 @@ from typing import Any
 
 from ._bench import SMALL, Results, _measure_sync, op_sizes
 
+# every wait of a baseline ends within this many seconds (a rank whose peer died then fails
+# with an error instead of hanging the whole bench)
+DEADLINE_S = 300
+
 
 def _reduce_sum(vals: list[Any]) -> Any:
     acc = vals[0]
@@ -39,6 +43,41 @@ def _reduce_sum(vals: list[Any]) -> Any:
         acc = tuple(a + b for a, b in zip(acc, v, strict=True)) if isinstance(acc, tuple) \
             else acc + v
     return acc
+
+
+def _share_port(cfg: dict[str, Any], rank: int, what: str, port: int = 0) -> int:
+    """Rank 0 publishes the ``port`` of a listener it bound to port 0 (the OS picks a free
+    one), through the bench's own store; the other ranks get it. (A port picked ahead and
+    bound later can be taken meanwhile by any connection of the machine: rank 0 then fails to
+    bind, and the others wait for it.)"""
+    from ._store import StoreClient
+
+    store = StoreClient(cfg["host"], cfg["port"], timeout=DEADLINE_S,
+                        prefix=f"bench/{cfg['tag']}/")
+    try:
+        if rank == 0:
+            store.set(what, str(port))
+            return port
+        return int(store.get(what))
+    finally:
+        store.close()
+
+
+def _tcp_store(cfg: dict[str, Any], rank: int, n: int) -> Any:
+    """A torch TCPStore served by rank 0 on a port its OS picked."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    t = timedelta(seconds=DEADLINE_S)
+    if rank == 0:
+        # (not waiting for the others in the constructor: they learn the port after it)
+        store = dist.TCPStore(cfg["host"], 0, n, True, timeout=t,  # type: ignore[attr-defined]
+                              wait_for_workers=False)
+        _share_port(cfg, rank, "tcpstore", int(store.port))
+        return store
+    return dist.TCPStore(cfg["host"], _share_port(cfg, rank, "tcpstore"), n,  # type: ignore[attr-defined]
+                         False, timeout=t)
 
 
 # ------------------------------------------------------------------------------ gloo
@@ -49,8 +88,10 @@ def system_gloo(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str,
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://{cfg['host']}:{cfg['aux_port']}",
-                            rank=rank, world_size=n)
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", store=_tcp_store(cfg, rank, n), rank=rank, world_size=n,
+                            timeout=timedelta(seconds=DEADLINE_S))
 
     def all_reduce(obj: Any) -> Any:
         t = torch.tensor(obj, dtype=torch.int64) if isinstance(obj, tuple) else torch.from_numpy(obj)
@@ -166,12 +207,7 @@ class _StoreGroup:
 
 def system_store(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None]
                  ) -> Results:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore(cfg["host"], cfg["aux_port"], n, rank == 0,  # type: ignore[attr-defined]
-                          timeout=timedelta(seconds=300))
+    store = _tcp_store(cfg, rank, n)
     g = _StoreGroup(store, rank, n)
 
     def gather(obj: Any) -> Any:
@@ -232,28 +268,38 @@ def system_star(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str,
     import zmq
 
     ctx = zmq.Context()
-    host, base = cfg["host"], cfg["aux_port"]
+    # blocking receives, as the original's, but not for ever: a rank whose peer died fails
+    # (zmq.Again) instead of hanging the bench
+    ctx.setsockopt(zmq.RCVTIMEO, DEADLINE_S * 1000)
+    ctx.setsockopt(zmq.SNDTIMEO, DEADLINE_S * 1000)
+    host = cfg["host"]
     if rank == 0:
         pull = ctx.socket(zmq.PULL)
-        pull.bind(f"tcp://{host}:{base}")
+        _share_port(cfg, rank, "star-pull", pull.bind_to_random_port(f"tcp://{host}"))
         pub = ctx.socket(zmq.PUB)
-        pub.bind(f"tcp://{host}:{base + 1}")
+        _share_port(cfg, rank, "star-pub", pub.bind_to_random_port(f"tcp://{host}"))
     else:
         push = ctx.socket(zmq.PUSH)
-        push.connect(f"tcp://{host}:{base}")
+        push.connect(f"tcp://{host}:{_share_port(cfg, rank, 'star-pull')}")
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(f"tcp://{host}:{base + 1}")
+        sub.connect(f"tcp://{host}:{_share_port(cfg, rank, 'star-pub')}")
     # the slow-joiner handshake the original lacks: the leader publishes until all answered
+    deadline = time.monotonic() + DEADLINE_S
     if rank == 0:
         joined: set[int] = set()
         while len(joined) < n - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"star: ranks {sorted(set(range(1, n)) - joined)} did not "
+                                   f"join within {DEADLINE_S} s")
             pub.send(b"hello")
             if pull.poll(50):
                 joined.add(int(pull.recv()))
         pub.send(b"go")
     else:
         while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"star: rank 0 did not publish within {DEADLINE_S} s")
             if sub.poll(1000) and sub.recv() == b"hello":
                 push.send(str(rank).encode())
                 break

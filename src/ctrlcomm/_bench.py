@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -337,20 +338,25 @@ class _Progress:
 
 
 def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
-              stream: Any = sys.stderr) -> list[dict[str, Any]]:
-    """Spawn each world size locally on loopback and run each system; returns flat rows."""
+              stream: Any = sys.stderr, failed: dict[tuple[str, int], str] | None = None
+              ) -> list[dict[str, Any]]:
+    """Spawn each world size locally on loopback and run each system; returns flat rows.
+
+    A system whose run fails (a rank raises or dies: the others are stopped at once) is left
+    out at that world size, with a message on ``stream``, and recorded in ``failed``."""
     import multiprocessing as mp
     import threading
 
     from ._baselines import run_mpi
     from ._transport import StoreServer
-    from .testing import free_port, run_ranks
+    from .testing import RankFailedError, run_ranks
 
     plan = op_sizes(cfg["ops"], cfg["sizes"])
     repeat = max(int(cfg.get("repeat", 1)), 1)
     bar = _Progress(len(plan) * len(world_sizes) * len(systems) * repeat, stream)
     rows = []
     ctx = mp.get_context("spawn")
+    failed = {} if failed is None else failed
 
     def run_one(n: int, system: str) -> list[Results]:
         with one_thread_pools():  # the ranks' environment
@@ -358,7 +364,10 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
 
     def run_system(n: int, system: str) -> list[Results]:
         if system == "mpi":
-            per_rank = run_mpi(n, cfg)
+            try:
+                per_rank = run_mpi(n, cfg)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise RankFailedError(f"mpiexec: {e}", {}) from e
             for op, size in plan:
                 bar.step(f"mpi N={n} {op} {fmt_size(size) if size else ''}")
             return per_rank
@@ -377,9 +386,10 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
         th.start()
         with StoreServer("127.0.0.1", 0) as srv:
             c = dict(cfg, host="127.0.0.1", port=srv.port, host_store=False,
-                     tag=f"{system}{n}", aux_port=free_port())
+                     tag=f"{system}{n}")
             try:
-                return run_ranks(_bench_child, n, system, c, q, timeout=cfg.get("timeout", 900))
+                return run_ranks(_bench_child, n, system, c, q, timeout=cfg.get("timeout", 900),
+                                 fail_fast=True)
             finally:
                 stop.set()
                 th.join()
@@ -391,10 +401,21 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
         each: dict[str, list[dict[tuple[str, int], dict[str, float]]]] = {s: [] for s in systems}
         for _ in range(repeat):
             for system in systems:
-                per_rank = run_one(n, system)
+                if (system, n) in failed:
+                    continue
+                try:
+                    per_rank = run_one(n, system)
+                except RankFailedError as e:
+                    # the others' figures are still worth a table: this one is left out
+                    failed[(system, n)] = str(e)
+                    stream.write(f"\n{system} at {n} ranks failed (left out): {e}\n")
+                    got.pop(system, None)
+                    continue
                 each[system].append(summarize(per_rank))
                 got[system] = per_rank if system not in got else merge(got[system], per_rank)
         for system in systems:
+            if system not in got:
+                continue
             for (op, size), fig in summarize(got[system]).items():
                 row = {"system": system, "op": op, "size": size, "world_size": n, **fig}
                 if repeat > 1:

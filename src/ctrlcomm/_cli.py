@@ -48,6 +48,7 @@ def _bench(args: argparse.Namespace) -> int:
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
            "transport": args.transport, "repeat": args.repeat}
     systems = ["ctrlcomm"] + (["ctrlcomm-aio"] if args.aio else [])
+    failed: dict[tuple[str, int], str] = {}  # (system, world size): why its run failed
     rows: list[dict[str, Any]] | None
     if args.from_json:
         rows = b.read_json(args.from_json)
@@ -77,7 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.against and "star" not in systems and "gloo" in systems \
                 and missing("star") is None:
             systems.append("star")  # all_reduce against Megatron's original design too
-        rows = b.run_local([int(x) for x in args.n.split(",")], systems, cfg)
+        rows = b.run_local([int(x) for x in args.n.split(",")], systems, cfg, failed=failed)
     if rows is None:  # a multi-host rank other than 0: rank 0 prints
         return 0
     shown = [s for s in systems if any(r["system"] == s for r in rows)]
@@ -92,6 +93,10 @@ def _bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("--plot needs matplotlib: pip install 'ctrlcomm[plot]'", file=sys.stderr)
             return 1
+    if failed:
+        print("left out, their runs failed: " + ", ".join(f"{s} at {n} ranks"
+                                                          for s, n in failed), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -213,3 +213,21 @@ def test_bench_runs_every_op_by_default_blocking_and_awaited(tmp_path):
         (s, op, size) for s in ("ctrlcomm", "ctrlcomm-aio") for op in DEFAULT_OPS
         for size in ((0,) if op == "barrier" else (8, 65536))}
     assert all(r["world_size"] == 3 and r["median_us"] > 0 for r in rows)
+
+
+def test_a_system_whose_run_fails_is_left_out_and_the_rest_reported(monkeypatch):
+    import io
+    import subprocess as sp
+
+    from ctrlcomm import _baselines, _bench
+
+    def broken(n, cfg):
+        raise sp.CalledProcessError(1, ["mpiexec", "-n", str(n)])
+
+    monkeypatch.setattr(_baselines, "run_mpi", broken)
+    failed, err = {}, io.StringIO()
+    cfg = {"ops": ["barrier"], "sizes": [8], "iters": 5, "warmup": 1, "repeat": 2}
+    rows = _bench.run_local([2], ["ctrlcomm", "mpi"], cfg, stream=err, failed=failed)
+    assert {(r["system"], r["op"]) for r in rows} == {("ctrlcomm", "barrier")}
+    assert list(failed) == [("mpi", 2)] and "mpiexec" in failed[("mpi", 2)]
+    assert "mpi at 2 ranks failed (left out)" in err.getvalue()

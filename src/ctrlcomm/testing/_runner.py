@@ -43,7 +43,8 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
               start_method: str = "spawn", may_die: tuple[int, ...] = (),
-              kill_after_results: bool = False, **kwargs: Any) -> list[Any]:
+              kill_after_results: bool = False, fail_fast: bool = False,
+              **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new processes.
 
     ``fn`` must be importable (a module-level function). Returns the results in rank order.
@@ -52,6 +53,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     killed, by pid: only processes this call started). Ranks in ``may_die`` may exit (or be
     killed) without a result: theirs is then ``None``; with ``kill_after_results`` they are
     killed (SIGKILL, which also ends a stopped process) once every other rank has reported.
+    With ``fail_fast``, the first rank that fails (raises, or exits without a result) ends
+    the run at once: the ranks still running are killed (they may be waiting for it).
     """
     ctx: Any = mp.get_context(start_method)
     q = ctx.Queue()
@@ -88,6 +91,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     if q.empty() and r not in results:
                         results[r] = (r in may_die, None if r in may_die else
                                       f"exited with code {p.exitcode} and no result")
+            if fail_fast:
+                first = next((r for r, (ok, _) in sorted(results.items()) if not ok), None)
+                if first is not None:
+                    for r, p in enumerate(procs):
+                        if r not in results:
+                            results[r] = (False, f"stopped: rank {first} failed first")
+                            if p.is_alive() and p.pid is not None:
+                                os.kill(p.pid, signal.SIGKILL)
+                    break
             if time.monotonic() > deadline:
                 for r in range(world_size):
                     if r not in results:

@@ -1,0 +1,35 @@
+"""ctrlcomm.testing.run_ranks: results, failures, and a run that ends at its first failure."""
+
+import time
+
+import pytest
+
+from ctrlcomm.testing import RankFailedError, run_ranks
+
+
+def rank0_fails_rank1_waits(rank, size):
+    if rank == 0:
+        raise RuntimeError("cannot bind")
+    time.sleep(60)  # as a rank waiting for rank 0 would
+    return "done"
+
+
+def test_fail_fast_stops_the_others_at_the_first_failure():
+    t = time.monotonic()
+    with pytest.raises(RankFailedError) as e:
+        run_ranks(rank0_fails_rank1_waits, 2, timeout=50, fail_fast=True)
+    assert time.monotonic() - t < 20  # not the 60 s rank 1 sleeps, nor the 50 s timeout
+    assert "RuntimeError: cannot bind" in e.value.failures[0]
+    assert e.value.failures[1] == "stopped: rank 0 failed first"
+
+
+def sleeps_then_returns(rank, size):
+    time.sleep(0.5 * rank)
+    return rank * 10
+
+
+def test_results_in_rank_order_and_a_failure_without_fail_fast_waits_for_the_rest():
+    assert run_ranks(sleeps_then_returns, 3, fail_fast=True) == [0, 10, 20]
+    with pytest.raises(RankFailedError) as e:
+        run_ranks(rank0_fails_rank1_waits, 2, timeout=3)
+    assert "still running after 3 s" in e.value.failures[1]
