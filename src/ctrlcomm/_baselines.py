@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -247,15 +248,15 @@ def system_store(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str
         "gather": gather, "scatter": scatter, "all_to_all": all_to_all, "send_recv": send_recv,
     }
     plan = op_sizes(cfg["ops"], cfg["sizes"])
-    try:
-        return _measure_sync(calls, g.barrier, plan, rank, cfg["iters"], cfg["warmup"], progress)
-    finally:
-        # rank 0 serves the store: it stays until every rank has finished reading from it
-        store.add("bench/done", 1)
-        if rank == 0:
-            deadline = time.monotonic() + 60
-            while store.add("bench/done", 0) < n and time.monotonic() < deadline:
-                time.sleep(0.01)
+    out = _measure_sync(calls, g.barrier, plan, rank, cfg["iters"], cfg["warmup"], progress)
+    # rank 0 serves the store: it stays until every rank has finished reading from it (not
+    # after a failure: the others, waiting for what it never wrote, would never come)
+    store.add("bench/done", 1)
+    if rank == 0:
+        deadline = time.monotonic() + 60
+        while store.add("bench/done", 0) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return out
 
 
 # ------------------------------------------------------------------------------ star
@@ -352,17 +353,30 @@ def mpi_missing() -> str | None:
     return None
 
 
-def run_mpi(n: int, cfg: dict[str, Any], timeout: float = 900) -> list[Results]:
-    """Run the ops under ``mpiexec -n N`` (MPICH) and collect each rank's figures."""
+def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
+    """Run the ops under ``mpiexec -n N`` (MPICH) and collect each rank's figures. Raises
+    ``subprocess.SubprocessError`` if it fails or runs past ``cfg["timeout"]`` (default 900 s;
+    then mpiexec and every process it started are killed: they run in a session of their
+    own), ``OSError``/``ValueError`` if a rank's figures are missing or unreadable."""
     exe = mpiexec()
     assert exe is not None
+    timeout = cfg.get("timeout", 900)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = os.path.join(tmp, "cfg.json")
         with open(cfg_path, "w") as f:
             json.dump({k: cfg[k] for k in ("ops", "sizes", "iters", "warmup")}, f)
         cmd = [exe, "-n", str(n), sys.executable, "-m", "ctrlcomm._bench_mpi", cfg_path, tmp]
         env = dict(os.environ, MPIR_CVAR_CH4_NETMOD="", HYDRA_LAUNCHER="fork")
-        subprocess.run(cmd, check=True, timeout=timeout, env=env, stdout=subprocess.DEVNULL)
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                              start_new_session=True) as p:
+            try:
+                code = p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)  # the session started here, and only it
+                p.wait()
+                raise
+        if code:
+            raise subprocess.CalledProcessError(code, cmd)
         out = []
         for r in range(n):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:

@@ -303,8 +303,7 @@ def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
                 continue
             line += f" | {r['median_us']:>14.1f}us{r['p99_us']:>7.0f}us{r['cpu_us']:>6.0f}us"
             if s != base:
-                ratio = r["median_us"] / ref["median_us"] if ref else float("nan")
-                line += f"{ratio:>6.1f}x"
+                line += f"{r['median_us'] / ref['median_us']:>6.1f}x" if ref else f"{'-':>7}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -366,8 +365,8 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
         if system == "mpi":
             try:
                 per_rank = run_mpi(n, cfg)
-            except (OSError, subprocess.SubprocessError) as e:
-                raise RankFailedError(f"mpiexec: {e}", {}) from e
+            except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
+                raise RankFailedError(f"mpiexec: {type(e).__name__}: {e}", {}) from e
             for op, size in plan:
                 bar.step(f"mpi N={n} {op} {fmt_size(size) if size else ''}")
             return per_rank

@@ -81,7 +81,11 @@ def _bench(args: argparse.Namespace) -> int:
         rows = b.run_local([int(x) for x in args.n.split(",")], systems, cfg, failed=failed)
     if rows is None:  # a multi-host rank other than 0: rank 0 prints
         return 0
-    shown = [s for s in systems if any(r["system"] == s for r in rows)]
+    if not rows:
+        print("nothing ran: every system's run failed", file=sys.stderr)
+        return 1
+    # ctrlcomm stays the first column, the base of the ratios, even where its run failed
+    shown = systems[:1] + [s for s in systems[1:] if any(r["system"] == s for r in rows)]
     print(b.table(rows, shown))
     if args.json:
         b.write_json(args.json, rows, cfg)

@@ -488,6 +488,8 @@ class Core:
             full = [d for d in dsts if self.ep.backlog(d) > MAX_BACKLOG]
             if not full:
                 return
+            if self.state == "broken":  # (a step that completed may still send after it)
+                raise self.cause  # type: ignore[misc]
             self.waiting_for = full
             self.pump()
             now = time.monotonic()

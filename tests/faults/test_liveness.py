@@ -1,5 +1,6 @@
 """Lost peers: killed, stopped, aborting. Every survivor fails fast, naming the lost rank."""
 
+import asyncio
 import os
 import pickle
 import signal
@@ -104,16 +105,16 @@ def test_abort_tells_every_peer_and_survivors_reform(store):
         assert again == [0, 2, 3]
 
 
-def abort_read_with_last_message(rank, size, port, early):
+def abort_read_with_last_message(rank, size, port, early, aio):
     """Rank 1 sends its all_gather contribution and, in the same write, an abort (as a rank
     does that completes a call and fails in the next): rank 0 reads both at once."""
-    g = _group(rank, size, port, name=f"abort-late-{early}")
+    g = _group(rank, size, port, name=f"abort-late-{early}-{aio}")
     g.barrier()
     core = g._core
     if rank == 1:
         # not before rank 0 is out of the barrier: read with the barrier's message, the
         # abort would break the group before the all_gather (which then rightly raises)
-        g.store.wait([f"abort-late-{early}/0 left the barrier"], timeout=30)
+        g.store.wait([f"{g.name}/0 left the barrier"], timeout=30)
         mine = w.stream_message(w.COLL, 1, core.group_id, core.seq, 0,
                                 w.OP_CODE["all_gather"], w.NO_ROOT, w.PICKLE,
                                 pickle.dumps("from 1", protocol=5))
@@ -125,10 +126,10 @@ def abort_read_with_last_message(rank, size, port, early):
         except ctrlcomm.PeerLostError:
             pass
         return None
-    g.store.set(f"abort-late-{early}/0 left the barrier", "1")
+    g.store.set(f"{g.name}/0 left the barrier", "1")
     if early:
         time.sleep(0.3)  # both messages are in the socket before the call starts
-    got = g.all_gather("from 0")
+    got = asyncio.run(g.aio.all_gather("from 0")) if aio else g.all_gather("from 0")
     try:
         g.barrier()
     except ctrlcomm.GroupBrokenError as e:  # broken before the call: it says why
@@ -136,10 +137,10 @@ def abort_read_with_last_message(rank, size, port, early):
     return got, "no error"
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["sent-right-away",
-                                                      "there-before-the-call"])
-def test_a_call_completed_before_an_abort_returns_and_the_next_raises(store, early):
-    res = run_ranks(abort_read_with_last_message, 2, store.port, early)
+@pytest.mark.parametrize("early,aio", [(False, False), (True, False), (False, True)],
+                         ids=["sent-right-away", "there-before-the-call", "awaited"])
+def test_a_call_completed_before_an_abort_returns_and_the_next_raises(store, early, aio):
+    res = run_ranks(abort_read_with_last_message, 2, store.port, early, aio)
     got, ranks, msg = res[0]
     assert got == ["from 0", "from 1"]  # raised PeerLostError before the fix
     assert ranks == [1] and "rank 1 aborted" in msg and "failed in the next call" in msg

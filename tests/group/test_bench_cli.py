@@ -231,3 +231,28 @@ def test_a_system_whose_run_fails_is_left_out_and_the_rest_reported(monkeypatch)
     assert {(r["system"], r["op"]) for r in rows} == {("ctrlcomm", "barrier")}
     assert list(failed) == [("mpi", 2)] and "mpiexec" in failed[("mpi", 2)]
     assert "mpi at 2 ranks failed (left out)" in err.getvalue()
+
+
+def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, capsys):
+    from ctrlcomm import _baselines, _bench, _cli
+
+    store_row = {"system": "store", "op": "barrier", "size": 0, "world_size": 2,
+                 "median_us": 200.0, "p99_us": 300.0, "cpu_us": 50.0, "cpu_frac": 0.3}
+
+    def ran(rows):
+        def run_local(world_sizes, systems, cfg, stream=None, failed=None):
+            failed[("ctrlcomm", 2)] = "2 of 2 ranks failed: ..."
+            return rows
+        return run_local
+
+    monkeypatch.setattr(_baselines, "missing", lambda system: None)
+    monkeypatch.setattr(_bench, "run_local", ran([store_row]))
+    assert _cli.main(["bench", "-n", "2", "--ops", "barrier", "--against", "store"]) == 1
+    out, err = capsys.readouterr()
+    head, _, line = out.splitlines()[:3]
+    assert head.index("ctrlcomm med") < head.index("store med")  # ctrlcomm still the base
+    assert "n/a" in line and "200.0us" in line and "x" not in line.split("|")[2]
+    assert "left out, their runs failed: ctrlcomm at 2 ranks" in err
+    monkeypatch.setattr(_bench, "run_local", ran([]))
+    assert _cli.main(["bench", "-n", "2", "--ops", "barrier"]) == 1
+    assert "nothing ran" in capsys.readouterr().err

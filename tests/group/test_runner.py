@@ -30,6 +30,9 @@ def sleeps_then_returns(rank, size):
 
 def test_results_in_rank_order_and_a_failure_without_fail_fast_waits_for_the_rest():
     assert run_ranks(sleeps_then_returns, 3, fail_fast=True) == [0, 10, 20]
+    t = time.monotonic()
     with pytest.raises(RankFailedError) as e:
         run_ranks(rank0_fails_rank1_waits, 2, timeout=3)
+    assert time.monotonic() - t >= 3  # waited for rank 1 until the timeout
+    assert "RuntimeError: cannot bind" in e.value.failures[0]
     assert "still running after 3 s" in e.value.failures[1]

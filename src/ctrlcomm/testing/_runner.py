@@ -69,8 +69,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         while len(results) < world_size:
             try:
                 rank, ok, out = q.get(timeout=0.2)
-                results[rank] = (ok, out)
-                continue
+                results[rank] = (ok, out)  # (in the order they come: see fail_fast below)
+                if ok or not fail_fast:
+                    continue
             except queue.Empty:
                 pass
             except (OSError, EOFError) as e:  # a result that cannot be rebuilt here
@@ -91,8 +92,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     if q.empty() and r not in results:
                         results[r] = (r in may_die, None if r in may_die else
                                       f"exited with code {p.exitcode} and no result")
-            if fail_fast:
-                first = next((r for r, (ok, _) in sorted(results.items()) if not ok), None)
+            if fail_fast:  # the first failure to come (later ones may be its consequences)
+                first = next((r for r, (ok, _) in results.items() if not ok), None)
                 if first is not None:
                     for r, p in enumerate(procs):
                         if r not in results:
