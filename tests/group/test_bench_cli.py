@@ -256,3 +256,31 @@ def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, 
     monkeypatch.setattr(_bench, "run_local", ran([]))
     assert _cli.main(["bench", "-n", "2", "--ops", "barrier"]) == 1
     assert "nothing ran" in capsys.readouterr().err
+
+
+def test_mpiexec_past_its_timeout_is_killed_with_everything_it_started(tmp_path, monkeypatch):
+    import subprocess as sp
+    import time
+
+    from ctrlcomm import _baselines
+
+    fake = tmp_path / "mpiexec"  # starts a "rank" and waits, as a hung mpiexec would
+    fake.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {tmp_path}/rank.pid\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(_baselines, "mpiexec", lambda: str(fake))
+    cfg = {"ops": ["barrier"], "sizes": [8], "iters": 1, "warmup": 0, "timeout": 1}
+    t = time.monotonic()
+    with pytest.raises(sp.TimeoutExpired):
+        _baselines.run_mpi(2, cfg)
+    assert time.monotonic() - t < 10
+    rank = int((tmp_path / "rank.pid").read_text())
+    for _ in range(50):  # killed (then reaped by init, as its parent died too)
+        try:
+            with open(f"/proc/{rank}/stat") as f:
+                if f.read().split(") ")[1][0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the rank mpiexec started ({rank}) still runs")
