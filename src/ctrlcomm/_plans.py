@@ -24,6 +24,7 @@ Every algorithm is correct for any world size >= 1:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -52,6 +53,13 @@ def _to(dsts: Iterable[int], obj: Any) -> tuple[tuple[int, Any], ...]:
     """The sends of one object to each of ``dsts`` (built in C: no generator to resume per
     destination, which a root's fan-out would pay on every call)."""
     return tuple(zip(dsts, repeat(obj)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _others(n: int, r: int) -> tuple[int, ...]:
+    """The ranks of a world of ``n`` but ``r``, in order (built once per (n, r): a generator
+    expression would be resumed once per rank on every call)."""
+    return tuple(range(r)) + tuple(range(r + 1, n))
 
 
 def _ceil_log2(n: int) -> int:
@@ -159,7 +167,7 @@ def all_reduce_flat(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> P
     n, r = ctx.size, ctx.rank
     if n == 1:
         return obj
-    peers = tuple(p for p in range(n) if p != r)
+    peers = _others(n, r)
     got = yield Step(0, _to(peers, obj), peers)
     got[r] = obj
     acc = got[0]
@@ -208,7 +216,7 @@ def all_gather_flat(ctx: Ctx, obj: Any) -> Plan:
     n, r = ctx.size, ctx.rank
     if n == 1:
         return [obj]
-    peers = tuple(p for p in range(n) if p != r)
+    peers = _others(n, r)
     got = yield Step(0, sends=_to(peers, obj), recvs=peers)
     got[r] = obj
     return [got[i] for i in range(n)]
@@ -232,7 +240,7 @@ def all_to_all(ctx: Ctx, objs: Sequence[Any]) -> Plan:
     n, r = ctx.size, ctx.rank
     if n == 1:
         return [objs[0]]
-    peers = tuple(p for p in range(n) if p != r)
+    peers = _others(n, r)
     got = yield Step(0, sends=tuple((p, objs[p]) for p in peers), recvs=peers)
     got[r] = objs[r]
     return [got[i] for i in range(n)]
@@ -299,7 +307,7 @@ def all_gather_star(ctx: Ctx, obj: Any) -> Plan:
 
 def broadcast_flat(ctx: Ctx, obj: Any, root: int) -> Plan:
     if ctx.rank == root:
-        yield Step(0, sends=tuple((p, obj) for p in range(ctx.size) if p != root))
+        yield Step(0, sends=_to(_others(ctx.size, root), obj))
         return obj
     got = yield Step(0, recvs=(root,))
     return got[root]
@@ -309,7 +317,7 @@ def gather_flat(ctx: Ctx, obj: Any, root: int) -> Plan:
     if ctx.rank != root:
         yield Step(0, sends=((root, obj),))
         return None
-    others = tuple(p for p in range(ctx.size) if p != root)
+    others = _others(ctx.size, root)
     got = (yield Step(0, recvs=others)) if others else {}
     got[root] = obj
     return [got[i] for i in range(ctx.size)]
@@ -318,7 +326,7 @@ def gather_flat(ctx: Ctx, obj: Any, root: int) -> Plan:
 def scatter_flat(ctx: Ctx, objs: Sequence[Any] | None, root: int) -> Plan:
     if ctx.rank == root:
         assert objs is not None
-        yield Step(0, sends=tuple((p, objs[p]) for p in range(ctx.size) if p != root))
+        yield Step(0, sends=tuple((p, objs[p]) for p in _others(ctx.size, root)))
         return objs[root]
     got = yield Step(0, recvs=(root,))
     return got[root]
