@@ -62,6 +62,8 @@ def test_bench_against_every_baseline_over_two_world_sizes_with_a_plot(tmp_path)
     else:
         assert "skipping mpi:" in p.stderr
     assert {r["system"] for r in rows} == set(want)
+    total = 7 * 2 * len(want)  # (barrier + 3 ops x 2 sizes) x 2 world sizes x systems
+    assert f" {total}/{total} " in p.stderr  # the progress bar ends full (star skips most)
     cells = {(op, size, n) for n in (2, 3) for op in OPS4
              for size in ((0,) if op == "barrier" else (8, 1024))}
     for system in want:
