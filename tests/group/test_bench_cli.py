@@ -150,6 +150,12 @@ def test_merge_appends_samples_and_weights_cpu():
     m = merge(a, b)
     assert m[0][("barrier", 0)] == {"times": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "cpu": 3.0}
     assert summarize(m)[("barrier", 0)]["median_us"] == 3.5e6
+    # per iteration the slowest rank; and, beside it, every rank's own time pooled
+    two = [{("barrier", 0): {"times": [1.0, 9.0, 3.0], "cpu": 1.0}},
+           {("barrier", 0): {"times": [2.0, 1.0, 5.0], "cpu": 1.0}}]
+    fig = summarize(two)[("barrier", 0)]
+    assert fig["median_us"] == 5e6 and fig["p99_us"] == 9e6  # of [2, 9, 5]
+    assert fig["median_all_us"] == 2.5e6 and fig["p99_all_us"] == 9e6  # of all six
 
 
 def _threads_numpy_adds() -> int:
