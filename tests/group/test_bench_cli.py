@@ -28,6 +28,8 @@ def test_bench_local_with_aio_json_and_comparison(tmp_path):
         # process CPU counts every thread (heartbeats, ZeroMQ's I/O thread): over a few
         # short calls it can exceed the wall time, never the wall time on every CPU
         assert r["median_us"] > 0 and r["p99_us"] >= r["median_us"]
+        # every rank's own time is at most its iteration's slowest
+        assert 0 < r["median_all_us"] <= r["median_us"] and r["p99_all_us"] <= r["p99_us"]
         assert 0 <= r["cpu_frac"] <= (os.cpu_count() or 1) + 0.5
     again = run("--from-json", str(out))
     assert again.returncode == 0 and "barrier" in again.stdout
