@@ -86,10 +86,10 @@ def _tcp_store(cfg: dict[str, Any], rank: int, n: int) -> Any:
 
 def system_gloo(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None]
                 ) -> Results:
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
-
-    from datetime import timedelta
 
     dist.init_process_group("gloo", store=_tcp_store(cfg, rank, n), rank=rank, world_size=n,
                             timeout=timedelta(seconds=DEADLINE_S))

@@ -5,8 +5,9 @@ calls. Ops whose ranks finish at different times (rooted ones, send/recv) are fo
 untimed barrier, as OSU does, so one iteration cannot overlap the next. A figure is computed
 per iteration as the slowest rank's time (when the whole collective is done), then median and
 p99 across iterations; the JSON also gives median and p99 over every rank's time of every
-iteration (``median_all_us``, ``p99_all_us``). CPU time is the process CPU time per op, averaged over ranks: with
-waiting done by sleeping in the kernel it stays well below the latency.
+iteration (``median_all_us``, ``p99_all_us``). CPU time is the process CPU time per op,
+averaged over ranks: with waiting done by sleeping in the kernel it stays well below the
+latency.
 
 Systems are registered in :data:`SYSTEMS`; each is a function run in every rank that returns
 ``{(op, size): {"times": [...], "cpu": seconds_per_op}}``.

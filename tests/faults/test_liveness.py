@@ -137,7 +137,7 @@ def abort_read_with_last_message(rank, size, port, early, aio):
     return got, "no error"
 
 
-@pytest.mark.parametrize("early,aio", [(False, False), (True, False), (False, True)],
+@pytest.mark.parametrize(("early", "aio"), [(False, False), (True, False), (False, True)],
                          ids=["sent-right-away", "there-before-the-call", "awaited"])
 def test_a_call_completed_before_an_abort_returns_and_the_next_raises(store, early, aio):
     res = run_ranks(abort_read_with_last_message, 2, store.port, early, aio)

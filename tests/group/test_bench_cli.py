@@ -203,7 +203,7 @@ def test_one_thread_pools_keeps_what_the_user_set(monkeypatch):
 def test_bench_sizes_parse_as_the_issue_writes_them():
     from ctrlcomm._bench import fmt_size, parse_size
 
-    assert [parse_size(s) for s in "8,1K,64K,1M,2MiB,1.5k".split(",")] == [
+    assert [parse_size(s) for s in ("8", "1K", "64K", "1M", "2MiB", "1.5k")] == [
         8, 1024, 65536, 1 << 20, 2 << 20, 1536]
     assert [fmt_size(n) for n in (8, 1024, 65536, 1 << 20, 1536)] == ["8", "1K", "64K", "1M",
                                                                      "1536"]
