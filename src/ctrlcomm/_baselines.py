@@ -46,9 +46,10 @@ def _reduce_sum(vals: list[Any]) -> Any:
     return acc
 
 
-def _share_port(cfg: dict[str, Any], rank: int, what: str, port: int = 0) -> int:
-    """Rank 0 publishes the ``port`` of a listener it bound to port 0 (the OS picks a free
-    one), through the bench's own store; the other ranks get it. (A port picked ahead and
+def _share_ports(cfg: dict[str, Any], rank: int, what: str,
+                 ports: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Rank 0 publishes the ``ports`` of listeners it bound to port 0 (the OS picks free
+    ones), through the bench's own store; the other ranks get them. (A port picked ahead and
     bound later can be taken meanwhile by any connection of the machine: rank 0 then fails to
     bind, and the others wait for it.)"""
     from ._store import StoreClient
@@ -57,9 +58,9 @@ def _share_port(cfg: dict[str, Any], rank: int, what: str, port: int = 0) -> int
                         prefix=f"bench/{cfg['tag']}/")
     try:
         if rank == 0:
-            store.set(what, str(port))
-            return port
-        return int(store.get(what))
+            store.set(what, ",".join(map(str, ports)))
+            return ports
+        return tuple(int(p) for p in store.get(what).split(b","))
     finally:
         store.close()
 
@@ -75,10 +76,10 @@ def _tcp_store(cfg: dict[str, Any], rank: int, n: int) -> Any:
         # (not waiting for the others in the constructor: they learn the port after it)
         store = dist.TCPStore(cfg["host"], 0, n, True, timeout=t,  # type: ignore[attr-defined]
                               wait_for_workers=False)
-        _share_port(cfg, rank, "tcpstore", int(store.port))
+        _share_ports(cfg, rank, "tcpstore", (int(store.port),))
         return store
-    return dist.TCPStore(cfg["host"], _share_port(cfg, rank, "tcpstore"), n,  # type: ignore[attr-defined]
-                         False, timeout=t)
+    (port,) = _share_ports(cfg, rank, "tcpstore")
+    return dist.TCPStore(cfg["host"], port, n, False, timeout=t)  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------------ gloo
@@ -276,15 +277,16 @@ def system_star(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str,
     host = cfg["host"]
     if rank == 0:
         pull = ctx.socket(zmq.PULL)
-        _share_port(cfg, rank, "star-pull", pull.bind_to_random_port(f"tcp://{host}"))
         pub = ctx.socket(zmq.PUB)
-        _share_port(cfg, rank, "star-pub", pub.bind_to_random_port(f"tcp://{host}"))
+        _share_ports(cfg, rank, "star", (pull.bind_to_random_port(f"tcp://{host}"),
+                                         pub.bind_to_random_port(f"tcp://{host}")))
     else:
+        pull_port, pub_port = _share_ports(cfg, rank, "star")
         push = ctx.socket(zmq.PUSH)
-        push.connect(f"tcp://{host}:{_share_port(cfg, rank, 'star-pull')}")
+        push.connect(f"tcp://{host}:{pull_port}")
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(f"tcp://{host}:{_share_port(cfg, rank, 'star-pub')}")
+        sub.connect(f"tcp://{host}:{pub_port}")
     # the slow-joiner handshake the original lacks: the leader publishes until all answered
     deadline = time.monotonic() + DEADLINE_S
     if rank == 0:
