@@ -58,14 +58,42 @@ def one_thread_pools() -> Any:
 
 
 def parse_size(text: str) -> int:
+    """Bytes from ``8``, ``8B``, ``1K``, ``64K``, ``1M``, ``2MiB``, ``1.5k`` (powers of 1024).
+    Raises ValueError naming the text for anything else, a negative size among them."""
     t = text.strip().upper()
     mult = 1
     for suffix, m in (("K", 1024), ("M", 1024**2), ("G", 1024**3)):
-        if t.endswith(suffix) or t.endswith(suffix + "B") or t.endswith(suffix + "IB"):
-            mult = m
-            t = t.split(suffix)[0]
-            break
-    return int(float(t) * mult)
+        for end in (suffix + "IB", suffix + "B", suffix):
+            if t.endswith(end):
+                mult, t = m, t[:-len(end)]
+                break
+        else:
+            continue
+        break
+    else:
+        if t.endswith("B"):  # bytes: 8B
+            t = t[:-1]
+    try:
+        n = float(t)
+    except ValueError:
+        n = float("nan")
+    if not n >= 0 or n == float("inf"):  # (nan fails the comparison)
+        raise ValueError(f"not a payload size: {text!r} (e.g. 8, 1K, 64K, 1M)")
+    return int(n * mult)
+
+
+def check_cfg(cfg: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the setting for a benchmark configuration that cannot run."""
+    bad = [o for o in cfg["ops"] if o not in DEFAULT_OPS]
+    if bad or not cfg["ops"]:
+        raise ValueError(f"ops {bad or '(none)'}: choose from {','.join(DEFAULT_OPS)}")
+    for key, least in (("iters", 1), ("warmup", 0), ("repeat", 1)):
+        v = cfg.get(key, least)
+        if type(v) is not int or v < least:
+            raise ValueError(f"{key} must be an integer >= {least}, got {v!r}")
+    for size in cfg["sizes"]:
+        if type(size) is not int or size < 0:
+            raise ValueError(f"sizes must be integers >= 0 (bytes), got {size!r}")
 
 
 def fmt_size(n: int) -> str:
@@ -357,6 +385,10 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
     from ._transport import StoreServer
     from .testing import RankFailedError, run_ranks
 
+    check_cfg(cfg)
+    bad = [n for n in world_sizes if type(n) is not int or n < 1]
+    if bad or not world_sizes:
+        raise ValueError(f"world sizes must be integers >= 1, got {bad or world_sizes}")
     plan = op_sizes(cfg["ops"], cfg["sizes"])
     repeat = max(int(cfg.get("repeat", 1)), 1)
     bar = _Progress(len(plan) * len(world_sizes) * len(systems) * repeat, stream)
@@ -449,6 +481,10 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any]
     """
     from . import Group
 
+    check_cfg(cfg)
+    if type(n) is not int or n < 1 or type(rank) is not int or not 0 <= rank < n:
+        raise ValueError(f"rank {rank!r} of world size {n!r}: the world size must be >= 1 "
+                         "and the rank in [0, world size)")
     rows = []
     for system in ("ctrlcomm", "ctrlcomm-aio") if cfg.get("aio") else ("ctrlcomm",):
         c = dict(cfg, host=host, port=port, host_store=True, tag=system)
@@ -519,8 +555,18 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
 
 
 def read_json(path: str) -> list[dict[str, Any]]:
+    """The rows of a run that :func:`write_json` wrote; ValueError for anything else."""
     with open(path) as f:
-        return list(json.load(f)["results"])
+        data = json.load(f)
+    rows = data.get("results") if isinstance(data, dict) else None
+    need = ("system", "op", "size", "world_size", "median_us", "p99_us", "cpu_us")
+    if not isinstance(rows, list) or not rows:
+        raise ValueError("no \"results\" list in it")
+    for i, r in enumerate(rows):
+        lacks = [k for k in need if not isinstance(r, dict) or k not in r]
+        if lacks:
+            raise ValueError(f"results[{i}] lacks {', '.join(lacks)}")
+    return rows
 
 
 def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
 def _store(args: argparse.Namespace) -> int:
     import logging
-    import os
 
     from ._transport import StoreServer
 
@@ -36,27 +36,86 @@ def _store(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = least - 1
+        if v < least:
+            raise argparse.ArgumentTypeError(f"an integer >= {least}, got {text!r}")
+        return v
+    return parse
+
+
+def _port_from(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = -1
+        if not least <= v < 65536:
+            raise argparse.ArgumentTypeError(f"a TCP port ({least}-65535), got {text!r}")
+        return v
+    return parse
+
+
+def _listed(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        parts = [t.strip() for t in text.split(",") if t.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"a comma-separated list, got {text!r}")
+        return [item(t) for t in parts]
+    return parse
+
+
+def _size(text: str) -> int:
+    from ._bench import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import _bench as b
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in b.DEFAULT_OPS]
-    if bad:
-        print(f"unknown ops {bad}; choose from {','.join(b.DEFAULT_OPS)}", file=sys.stderr)
+    if bad or not ops:
+        print(f"unknown ops {bad or args.ops!r}; choose from {','.join(b.DEFAULT_OPS)}",
+              file=sys.stderr)
         return 2
-    cfg = {"ops": ops, "sizes": [b.parse_size(s) for s in args.sizes.split(",")],
+    cfg = {"ops": ops, "sizes": args.sizes,
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
            "transport": args.transport, "repeat": args.repeat}
     systems = ["ctrlcomm"] + (["ctrlcomm-aio"] if args.aio else [])
     failed: dict[tuple[str, int], str] = {}  # (system, world size): why its run failed
     rows: list[dict[str, Any]] | None
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        # found out before the run, not after it
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            print(f"{opt} {path}: cannot write there (no such folder, or not writable)",
+                  file=sys.stderr)
+            return 2
     if args.from_json:
-        rows = b.read_json(args.from_json)
-        systems = list(dict.fromkeys(r["system"] for r in rows))
+        try:
+            rows = b.read_json(args.from_json)
+            systems = list(dict.fromkeys(r["system"] for r in rows))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"--from-json {args.from_json}: not the results of a bench run "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
     elif args.rank is not None:
         if args.host is None or args.port is None or args.world_size is None:
             print("multi-host mode needs --host, --port, --rank and --world-size",
                   file=sys.stderr)
+            return 2
+        if args.rank >= args.world_size:
+            print(f"--rank {args.rank} is not a rank of --world-size {args.world_size} "
+                  f"(0 to {args.world_size - 1})", file=sys.stderr)
             return 2
         if args.against:
             print("--against runs only with local ranks (-n); ignoring it", file=sys.stderr)
@@ -78,7 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.against and "star" not in systems and "gloo" in systems \
                 and missing("star") is None:
             systems.append("star")  # all_reduce against Megatron's original design too
-        rows = b.run_local([int(x) for x in args.n.split(",")], systems, cfg, failed=failed)
+        rows = b.run_local(args.n, systems, cfg, failed=failed)
     if rows is None:  # a multi-host rank other than 0: rank 0 prints
         return 0
     if not rows:
@@ -88,7 +147,11 @@ def _bench(args: argparse.Namespace) -> int:
     shown = systems[:1] + [s for s in systems[1:] if any(r["system"] == s for r in rows)]
     print(b.table(rows, shown))
     if args.json:
-        b.write_json(args.json, rows, cfg)
+        try:
+            b.write_json(args.json, rows, cfg)
+        except OSError as e:
+            print(f"--json {args.json}: {e}", file=sys.stderr)
+            return 1
         print(f"wrote {args.json}")
     if args.plot:
         try:
@@ -110,20 +173,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     s = sub.add_parser("store", help="run a rendezvous store alone")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=29600)
+    s.add_argument("--port", type=_port_from(0), default=29600,
+                   help="0: one the OS picks (printed)")
     s.add_argument("--encrypt", action="store_true",
                    help="CurveZMQ encryption (for groups made with encrypt=True)")
     s.set_defaults(func=_store)
 
     bp = sub.add_parser("bench", help="latency suite (spawns local ranks on loopback)")
-    bp.add_argument("-n", default="2,4", help="world sizes, e.g. 2,4,8")
+    bp.add_argument("-n", type=_listed(_at_least(1)), default=[2, 4],
+                    help="world sizes, e.g. 2,4,8")
     bp.add_argument("--ops", default=",".join(("barrier", "all_reduce", "broadcast",
                                                "all_gather", "gather", "scatter",
                                                "all_to_all", "send_recv")))
-    bp.add_argument("--sizes", default="8", help="payload sizes, e.g. 8,1K,64K,1M")
-    bp.add_argument("--iters", type=int, default=1000)
-    bp.add_argument("--warmup", type=int, default=100)
-    bp.add_argument("--repeat", type=int, default=1,
+    bp.add_argument("--sizes", type=_listed(_size), default=[8],
+                    help="payload sizes, e.g. 8,1K,64K,1M")
+    bp.add_argument("--iters", type=_at_least(1), default=1000)
+    bp.add_argument("--warmup", type=_at_least(0), default=100)
+    bp.add_argument("--repeat", type=_at_least(1), default=1,
                     help="run the systems in turn this many times and pool their samples "
                          "(evens out slow spells of a shared machine)")
     bp.add_argument("--aio", action="store_true",
@@ -137,9 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bp.add_argument("--transport", default="tcp", choices=["tcp", "zmq"])
     bp.add_argument("--json", help="write results to this file")
     bp.add_argument("--host")
-    bp.add_argument("--port", type=int)
-    bp.add_argument("--rank", type=int)
-    bp.add_argument("--world-size", type=int)
+    bp.add_argument("--port", type=_port_from(1))
+    bp.add_argument("--rank", type=_at_least(0))
+    bp.add_argument("--world-size", type=_at_least(1))
     bp.set_defaults(func=_bench)
 
     args = p.parse_args(argv)

@@ -42,6 +42,51 @@ def test_bench_rejects_unknown_ops_and_systems():
     assert p.returncode == 2 and "--host" in p.stderr
 
 
+@pytest.mark.parametrize(("args", "named"), [
+    (("-n", "0"), "-n"), (("-n", "2,x"), "-n"), (("--iters", "0"), "--iters"),
+    (("--warmup", "-1"), "--warmup"), (("--repeat", "0"), "--repeat"),
+    (("--sizes", "1X"), "'1X'"), (("--sizes", "-8"), "'-8'"), (("--ops", ","), "ops"),
+    (("--host", "127.0.0.1", "--port", "0", "--rank", "0", "--world-size", "2"), "--port"),
+    (("--host", "127.0.0.1", "--port", "29999", "--rank", "2", "--world-size", "2"), "--rank 2"),
+    (("--host", "127.0.0.1", "--port", "29999", "--rank", "-1", "--world-size", "2"), "--rank"),
+    (("--from-json", "/nonexistent/r.json"), "/nonexistent/r.json"),
+    (("-n", "1", "--json", "/nonexistent/r.json"), "--json /nonexistent/r.json"),
+    (("-n", "1", "--plot", "/nonexistent/r.png"), "--plot /nonexistent/r.png"),
+])
+def test_bench_rejects_bad_settings_naming_them_before_it_runs_anything(args, named):
+    p = run(*args, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert named in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_bench_from_json_rejects_what_a_run_did_not_write(tmp_path):
+    for i, text in enumerate(("not json", "{}", '{"results": []}',
+                              '{"results": [{"system": "ctrlcomm"}]}')):
+        f = tmp_path / f"r{i}.json"
+        f.write_text(text)
+        p = run("--from-json", str(f), timeout=60)
+        assert p.returncode == 2 and str(f) in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_bench_functions_reject_bad_settings_naming_them():
+    from ctrlcomm._bench import check_cfg, parse_size, run_local, run_multihost
+
+    ok = {"ops": ["barrier"], "sizes": [8], "iters": 5, "warmup": 0, "repeat": 1}
+    check_cfg(ok)
+    for change, named in (({"iters": 0}, "iters"), ({"warmup": -1}, "warmup"),
+                          ({"repeat": 0}, "repeat"), ({"sizes": [-1]}, "sizes"),
+                          ({"ops": ["allreduce"]}, "allreduce"), ({"ops": []}, "ops")):
+        with pytest.raises(ValueError, match=named):
+            check_cfg({**ok, **change})
+    with pytest.raises(ValueError, match="world sizes"):
+        run_local([2, 0], ["ctrlcomm"], ok)
+    with pytest.raises(ValueError, match="rank 3 of world size 2"):
+        run_multihost("127.0.0.1", 29999, 3, 2, ok)
+    for text in ("1X", "", "K", "-1", "inf", "1.5.2"):
+        with pytest.raises(ValueError, match="payload size"):
+            parse_size(text)
+
+
 OPS4 = ("barrier", "all_reduce", "broadcast", "all_gather")
 
 
@@ -203,8 +248,8 @@ def test_one_thread_pools_keeps_what_the_user_set(monkeypatch):
 def test_bench_sizes_parse_as_the_issue_writes_them():
     from ctrlcomm._bench import fmt_size, parse_size
 
-    assert [parse_size(s) for s in ("8", "1K", "64K", "1M", "2MiB", "1.5k")] == [
-        8, 1024, 65536, 1 << 20, 2 << 20, 1536]
+    assert [parse_size(s) for s in ("8", "1K", "64K", "1M", "2MiB", "1.5k", "8B", "1kb")] == [
+        8, 1024, 65536, 1 << 20, 2 << 20, 1536, 8, 1024]
     assert [fmt_size(n) for n in (8, 1024, 65536, 1 << 20, 1536)] == ["8", "1K", "64K", "1M",
                                                                      "1536"]
 
