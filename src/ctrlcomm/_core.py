@@ -55,9 +55,11 @@ SUSPECT_GRACE = 1.0
 # waits (within its deadline) before it queues more. Memory stays bounded however far a
 # broadcast root runs ahead of its receivers.
 LOST_PREFIX = "\x00lost:"  # an ABORT that reports lost ranks (not a user's abort)
+MISMATCH_PREFIX = "\x00mismatch:"  # an ABORT that reports a mismatch (ranks out of step)
 HOLD_HIGH = 256
 HOLD_LOW = 64
 MAX_BACKLOG = 4 * 1024 * 1024
+RECENT = 64  # calls whose (op, root) are kept to find a mismatch after a call returned
 
 Wait = Generator[float, None, Any]
 
@@ -135,6 +137,13 @@ class Core:
         self.last: tuple[str, int | None] = ("nothing yet", None)
         self._lock = threading.Lock()
         self._owner = ""
+        # what close() and abort() asked for while a call held the group ("close", "") or
+        # ("abort", reason): the sockets are used by the thread holding the group only, so
+        # that thread does it, woken at once (see _defer)
+        self._deferred: list[tuple[str, str]] = []
+        # the (seq, opcode, root) of recent calls, by seq % len: a message of a call that
+        # returned here, from a rank that called something else, is a mismatch found late
+        self._recent: list[tuple[int, int, int]] = [(-1, 0, 0)] * RECENT
         self.ctx = _plans.Ctx(rank, size)
         self.hb = heartbeat
         self.liveness_timeout = liveness_timeout
@@ -209,6 +218,9 @@ class Core:
         if k == w.COLL:
             a = self.active
             if seq < self.seq - (a is not None and a[1] >= 0):
+                past = self._recent[seq % RECENT]
+                if past[0] == seq and (op != past[1] or root != past[2]):
+                    self._late_mismatch(m, past)
                 self.dropped["stale"] += 1
                 return None
             slot = self.box.get(seq)
@@ -244,7 +256,11 @@ class Core:
             self.gone.setdefault(m.src, "closed the group")
         elif k == w.ABORT:
             reason = bytes(m.payload).decode(errors="replace")
-            if reason.startswith(LOST_PREFIX):
+            if reason.startswith(MISMATCH_PREFIX):
+                # another rank found the ranks out of step: so are the calls of this one
+                self.brk(MismatchError(f"{reason[len(MISMATCH_PREFIX):]} (reported by rank "
+                                       f"{m.src})"))
+            elif reason.startswith(LOST_PREFIX):
                 # a peer lost ranks and tells everyone: name those ranks, not the messenger
                 head, _, text = reason[len(LOST_PREFIX):].partition("|")
                 lost = [int(x) for x in head.split(",") if x.strip().isdigit()]
@@ -267,7 +283,24 @@ class Core:
                 f"{describe(a[2], a[3])}, rank {m.src} called {describe(m.op, m.root)}"
             )
 
+    def _late_mismatch(self, m: w.Message, past: tuple[int, int, int]) -> None:
+        """A message of call #seq, which returned here, shows its sender called another
+        collective or root there (both returned without waiting for each other: a broadcast
+        whose ranks named different roots, say). This rank's result of it may be wrong: the
+        group breaks, and the call in progress or the next one raises."""
+        if self.state != "open":
+            return
+        e = MismatchError(
+            f"group {self.name!r}: collective #{past[0]} mismatch: rank {self.rank} called "
+            f"{describe(past[1], past[2])}, rank {m.src} called {describe(m.op, m.root)} "
+            f"(found after #{past[0]} had returned on rank {self.rank}: its result there may "
+            "be wrong)")
+        self._notify_mismatch(e)
+        self.brk(e)
+
     def pump(self) -> None:
+        if self._deferred:  # close() or abort() from another thread or task
+            self._run_deferred()
         if self.ep.closed:  # closed by another task while a call waited
             raise GroupClosedError(f"group {self.name!r} (rank {self.rank}) was closed "
                                    "during the call")
@@ -325,6 +358,8 @@ class Core:
     def leave(self) -> None:
         self._owner = ""
         self._lock.release()
+        if self._deferred:
+            self._run_deferred_unlocked()
 
     # ------------------------------------------------------------------------ execution
 
@@ -344,6 +379,7 @@ class Core:
         seq = self.seq
         self.seq = seq + 1
         self.active = (name, seq, opcode, root)
+        self._recent[seq % RECENT] = (seq, opcode, root)
         t = self.timeout if timeout is None else timeout
         deadline = _monotonic() + t
         box = self.box
@@ -392,8 +428,8 @@ class Core:
                     if self.state == "broken":
                         raise self.cause  # type: ignore[misc]
                     yield self._wait(missing, deadline, t, name, seq)
-                    if ep.closed:
-                        self.pump()  # raises
+                    if self._deferred or ep.closed:
+                        self.pump()  # does what close() or abort() asked; raises if closed
                     ep.drain(self._sink)
                 held = self.held
                 for s in recvs:
@@ -418,6 +454,10 @@ class Core:
                     and not all(self.gone.get(r, "").startswith("is gone (reported") for r in e.ranks):
                 # tell the others which ranks are gone: they may be waiting on this rank
                 self._notify_lost(e)
+            elif isinstance(e, MismatchError) and self.state == "open" \
+                    and "(reported by rank" not in str(e):
+                # the others may be waiting for this rank's part of a call it did not make
+                self._notify_mismatch(e)
             self.brk(e)
             raise
         finally:
@@ -430,6 +470,8 @@ class Core:
             self.waiting_for = _NONE_LOST
             self._owner = ""  # self.leave(), inline
             self._lock.release()
+            if self._deferred:  # asked for while this call held the group
+                self._run_deferred_unlocked()
 
     def _release(self, srcs: Sequence[int]) -> None:
         """One message of each of ``srcs`` left the mailbox."""
@@ -550,18 +592,22 @@ class Core:
 
     # ------------------------------------------------------------------ point to point
 
-    def send(self, obj: Any, dst: int, tag: int, timeout: float | None) -> Wait:
+    def send(self, obj: Any, dst: int | tuple[int, ...], tag: int, timeout: float | None
+             ) -> Wait:
+        """Point to point: ``obj`` to ``dst``, or to each rank of a tuple (encoded once)."""
         self.enter("send")
         t = self.timeout if timeout is None else float(timeout)
+        dsts = dst if isinstance(dst, tuple) else (dst,)
         try:
             payload, bufs = w.dumps(obj, self.codec)
-            n = self.p2p_out.get(dst, 1)
-            msg = w.Message(w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT, self.codec,
-                            payload, bufs)
-            self.ep.send(dst, w.encode(msg, self.key))
-            self.p2p_out[dst] = n + 1
-            self.sent += 1
-            yield from self._backpressure([dst], time.monotonic() + t, t,
+            for d in dsts:
+                n = self.p2p_out.get(d, 1)
+                msg = w.Message(w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT,
+                                self.codec, payload, bufs)
+                self.ep.send(d, w.encode(msg, self.key))
+                self.p2p_out[d] = n + 1
+                self.sent += 1
+            yield from self._backpressure(list(dsts), time.monotonic() + t, t,
                                           f"send(dst={dst}, tag={tag})", None)
         finally:
             self.waiting_for = []
@@ -597,12 +643,47 @@ class Core:
         if self.state == "closed":
             return
         self.state = "closed"
-        for p in range(self.size):
-            if p != self.rank and p not in self.gone:
-                self._send_raw(p, w.BYE, b"")
-        self.ep.close()
         if self.hb is not None:
             self.hb.close()
+        self._defer("close", "")
+
+    def _defer(self, what: str, reason: str) -> None:
+        """Do what close() or abort() must do with the sockets: now if the group is idle,
+        else in the thread (or task) whose call holds it, woken at once for it. (The state
+        has changed already: a call that starts meanwhile raises.)"""
+        self._deferred.append((what, reason))
+        if self._lock.acquire(False):
+            try:
+                self._run_deferred()
+            finally:
+                self._lock.release()
+        else:
+            # the holder runs it at its next wake-up or when its call ends, whichever is
+            # first; if it has just ended, it finds this after releasing the lock
+            self.ep.wake()
+
+    def _run_deferred_unlocked(self) -> None:
+        if self._lock.acquire(False):  # (else another thread is running it, or a call)
+            try:
+                self._run_deferred()
+            finally:
+                self._lock.release()
+
+    def _run_deferred(self) -> None:
+        """(Holding the lock.)"""
+        while self._deferred:
+            what, reason = self._deferred.pop(0)
+            if self.ep.closed:
+                continue
+            if what == "abort":
+                for p in range(self.size):
+                    if p != self.rank and p not in self.gone:
+                        self._send_raw(p, w.ABORT, reason.encode())
+            else:
+                for p in range(self.size):
+                    if p != self.rank and p not in self.gone:
+                        self._send_raw(p, w.BYE, b"")
+                self.ep.close()
 
     def _notify_lost(self, e: PeerLostError) -> None:
         text = f"{LOST_PREFIX}{','.join(map(str, e.ranks))}|{e}"
@@ -610,12 +691,18 @@ class Core:
             if p != self.rank and p not in self.gone:
                 self._send_raw(p, w.ABORT, text.encode())
 
-    def abort(self, reason: str) -> None:
+    def _notify_mismatch(self, e: MismatchError) -> None:
+        text = f"{MISMATCH_PREFIX}{e}".encode()
         for p in range(self.size):
             if p != self.rank and p not in self.gone:
-                self._send_raw(p, w.ABORT, reason.encode())
+                self._send_raw(p, w.ABORT, text)
+
+    def abort(self, reason: str) -> None:
+        if self.state == "closed":
+            return
         self.brk(GroupBrokenError(f"group {self.name!r} was aborted by rank {self.rank} "
                                   f"(this rank): {reason}"))
+        self._defer("abort", reason)
 
 
 def run_sync(core: Core, gen: Wait) -> Any:

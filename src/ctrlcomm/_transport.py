@@ -129,9 +129,9 @@ def _curve_server(sock: zmq.Socket[Any], secret: bytes) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
 
 
-async def _readable(fd: int, timeout: float) -> None:
-    """Return when ``fd`` is readable or ``timeout`` seconds pass, through the running event
-    loop (a reader callback: no thread, no polling)."""
+async def _readable(fd: int, timeout: float, bell: _Bell | None = None) -> None:
+    """Return when ``fd`` is readable, ``bell`` rings or ``timeout`` seconds pass, through
+    the running event loop (reader callbacks: no thread, no polling)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
 
@@ -139,13 +139,49 @@ async def _readable(fd: int, timeout: float) -> None:
         if not fut.done():
             fut.set_result(None)
 
+    def rung() -> None:
+        assert bell is not None
+        bell.clear()  # (level-triggered: it would fire again and again)
+        wake()
+
     loop.add_reader(fd, wake)
+    bfd = bell.fd if bell is not None else -1
+    if bfd >= 0:
+        loop.add_reader(bfd, rung)
     timer = loop.call_later(max(timeout, 0.0), wake)
     try:
         await fut
     finally:
         timer.cancel()
         loop.remove_reader(fd)
+        if bfd >= 0:
+            loop.remove_reader(bfd)
+
+
+class _Bell:
+    """An eventfd that wakes a wait on an endpoint from another thread (or task): the group's
+    core rings it when ``close`` or ``abort`` is called while a call is in progress, so the
+    call wakes at once instead of at its deadline."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def ring(self) -> None:
+        try:
+            os.eventfd_write(self.fd, 1)
+        except OSError:  # closed meanwhile: nothing left to wake
+            pass
+
+    def clear(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except OSError:  # not rung (EAGAIN), or closed
+            pass
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _bind_error(e: zmq.ZMQError, what: str, addr: str) -> CtrlcommError:
@@ -191,6 +227,8 @@ class ZmqEndpoint:
         self.tx: dict[int, zmq.Socket[Any]] = {}
         self._poller = zmq.Poller()
         self._poller.register(self.rx, zmq.POLLIN)
+        self.bell = _Bell()
+        self._poller.register(self.bell.fd, zmq.POLLIN)
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
         self.sink: Callable[[w.Message | None], int | None] | None = None  # unused here
@@ -257,14 +295,22 @@ class ZmqEndpoint:
         return n
 
     def wait(self, timeout: float) -> None:
-        """Sleep until a message may be waiting or ``timeout`` seconds pass."""
-        self._poller.poll(max(0, int(timeout * 1000 + 0.999)))
+        """Sleep until a message may be waiting, :meth:`wake` is called or ``timeout``
+        seconds pass."""
+        bfd = self.bell.fd
+        for s, _ in self._poller.poll(max(0, int(timeout * 1000 + 0.999))):
+            if s == bfd:
+                self.bell.clear()
+
+    def wake(self) -> None:
+        """End a wait in progress (from any thread)."""
+        self.bell.ring()
 
     async def wait_async(self, timeout: float) -> None:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""
         if self.rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             return
-        await _readable(self.fd, timeout)
+        await _readable(self.fd, timeout, self.bell)
 
     def close(self) -> None:
         if self.closed:
@@ -274,6 +320,7 @@ class ZmqEndpoint:
         for s in self.tx.values():
             s.close()  # LINGER_MS: queued messages still go out, in ZeroMQ's I/O thread
         self.tx.clear()
+        self.bell.close()
 
 
 # A request unanswered for this long is sent again (same id: the server answers it once).
@@ -604,7 +651,11 @@ class TcpEndpoint:
         # whether the group is on this host only, with a CPU per rank (awaited waits then
         # give the loop a turn before sleeping): see set_peers
         self.spare_cpu = False
-        self._lfds = (ls.fileno(), self.usock.fileno() if self.usock is not None else -2)
+        self.bell = _Bell()
+        self.ep.register(self.bell.fd, select.EPOLLIN)
+        # the descriptors that are not connections: the listeners, and the bell
+        self._lfds = (ls.fileno(), self.usock.fileno() if self.usock is not None else -2,
+                      self.bell.fd)
         self.fd = self.ep.fileno()
         self.peers: dict[int, str] = {}
         self.conns: dict[int, _Conn] = {}  # by fd
@@ -904,11 +955,14 @@ class TcpEndpoint:
             e, self._error = self._error, None
             raise e
         n = 0
-        lfd, ufd = self._lfds
+        lfds = self._lfds
         ready, self._ready = self._ready, None
         for fd, ev in ready if ready is not None else self.ep.poll(0):
-            if fd in (lfd, ufd):
-                self._accept(self.lsock if fd == lfd else self.usock)  # type: ignore[arg-type]
+            if fd in lfds:
+                if fd == lfds[2]:
+                    self.bell.clear()  # a wake-up (see wake): nothing to read
+                else:
+                    self._accept(self.lsock if fd == lfds[0] else self.usock)  # type: ignore[arg-type]
                 continue
             c = self.conns.get(fd)
             if c is None:
@@ -940,9 +994,13 @@ class TcpEndpoint:
         return n
 
     def wait(self, timeout: float) -> None:
-        """Sleep until a socket is ready or ``timeout`` seconds pass."""
+        """Sleep until a socket is ready, :meth:`wake` is called or ``timeout`` seconds pass."""
         # the next drain handles these events instead of asking epoll again
         self._ready = self.ep.poll(max(timeout, 0.0)) or None
+
+    def wake(self) -> None:
+        """End a wait in progress, blocking or awaited (from any thread)."""
+        self.bell.ring()
 
     async def wait_async(self, timeout: float) -> None:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running).
@@ -1078,6 +1136,7 @@ class TcpEndpoint:
         if self.usock is not None:
             self.usock.close()
         self.ep.close()
+        self.bell.close()
         if left:
             # not a daemon: a process that exits right after close() still delivers its last
             # messages (for at most LINGER_MS), as ZeroMQ's context termination does

@@ -13,12 +13,16 @@ import os
 import socket as _socket
 from typing import Any
 
+from ._core import run_sync
 from ._errors import InvalidArgumentError
-from ._group import Group
+from ._group import Group, _rank_arg
 from ._store import StoreClient
 from ._transport import StoreServer
 
 _TENSOR_TAG = 1 << 40  # point-to-point tensors travel apart from send_obj/recv_obj objects
+# broadcast_obj's messages: one ordered stream per source, as the original's store keys
+# "broadcast_from/{src}/{n}" are (see broadcast_obj)
+_BCAST_TAG = (1 << 40) + 1
 
 
 def _torch_op(op: Any) -> str:
@@ -30,6 +34,15 @@ def _torch_op(op: Any) -> str:
             return name
     raise InvalidArgumentError(f"all_reduce: op {op!r} is not supported; use ReduceOp.SUM, "
                                "PRODUCT, MAX or MIN")
+
+
+def _copy_into(tensor: Any, data: Any) -> None:
+    """Copy in place, as torch.distributed's collectives do: also into a tensor that
+    requires grad (a parameter, whose weights a trainer broadcasts), without autograd."""
+    import torch
+
+    with torch.no_grad():
+        tensor.copy_(data)
 
 
 class StatelessProcessGroup:
@@ -89,8 +102,22 @@ class StatelessProcessGroup:
         return self._group.recv(src)
 
     def broadcast_obj(self, obj: Any | None, src: int) -> Any:
-        """``src``'s object, on every rank (the source gets its own object back)."""
-        return self._group.broadcast(obj, src=src)
+        """``src``'s object, on every rank (the source gets its own object back).
+
+        As in vLLM, each source's broadcasts form one stream of its own: the source returns
+        once its object is sent, and the others take ``src``'s broadcasts in the order it
+        made them, whatever they do with other sources in between (rank 0 may broadcast and
+        then receive rank 1's broadcast while rank 1 does the reverse)."""
+        c = self._group._core
+        src = _rank_arg(c, src, "src", "broadcast_obj")
+        if self.rank != src:
+            return run_sync(c, c.recv(src, _BCAST_TAG, None))
+        others = tuple(r for r in range(self.world_size) if r != src)
+        if others:
+            run_sync(c, c.send(obj, others, _BCAST_TAG, None))
+        else:
+            c.check_open()
+        return obj
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order."""
@@ -129,7 +156,7 @@ class StatelessProcessGroup:
 
         name = _torch_op(dist.ReduceOp.SUM if op is None else op)
         result = self._group.all_reduce(tensor.detach().cpu(), op=name)
-        tensor.copy_(result)
+        _copy_into(tensor, result)
         return tensor
 
     def _fill(self, tensor: Any, got: Any, what: str, src: int) -> None:
@@ -138,7 +165,7 @@ class StatelessProcessGroup:
                 f"{what} on rank {self.rank}: rank {src} sent a tensor of shape "
                 f"{tuple(got.shape)} and dtype {got.dtype}, this rank expects "
                 f"{tuple(tensor.shape)} {tensor.dtype}")
-        tensor.copy_(got)
+        _copy_into(tensor, got)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -4,6 +4,7 @@ import asyncio
 import os
 import pickle
 import signal
+import threading
 import time
 
 import pytest
@@ -171,3 +172,52 @@ def _idle_cpu(rank, size, port):
     used = time.process_time() - c
     g.close()
     return used
+
+
+def watchdog(rank, size, port, what, transport, aio):
+    """Rank 0 waits in a call rank 1 never makes; a watchdog thread of rank 0 aborts (or
+    closes) the group after 0.3 s: the waiting call must end then, not at its deadline."""
+    g = _group(rank, size, port, name=f"watchdog-{what}-{transport}-{aio}",
+               transport=transport, liveness_timeout=None)
+    g.barrier()
+    if rank == 1:
+        # holds still (no heartbeats judged, no message sent) until rank 0 is done
+        g.store.wait([f"watchdog-{what}-{transport}-{aio} done"], timeout=60)
+        return None
+
+    def later():
+        time.sleep(0.3)
+        g.abort("watchdog: step hung") if what == "abort" else g.close()
+
+    threading.Thread(target=later, daemon=True).start()
+    t = time.monotonic()
+    try:
+        if aio:
+            asyncio.run(g.aio.all_reduce(1, timeout=30))
+        else:
+            g.all_reduce(1, timeout=30)
+    except ctrlcomm.CtrlcommError as e:
+        took = time.monotonic() - t
+        err = (type(e).__name__, str(e), took, g.closed, g.broken)
+    else:
+        err = "no error"
+    # (close() closed the group's own store client)
+    st = ctrlcomm.StoreClient("127.0.0.1", port, prefix=f"ctrlcomm/watchdog-{what}-"
+                              f"{transport}-{aio}/", timeout=30)
+    st.set(f"watchdog-{what}-{transport}-{aio} done", b"1")
+    st.close()
+    return err
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+@pytest.mark.parametrize("aio", [False, True], ids=["blocking", "awaited"])
+@pytest.mark.parametrize("what", ["abort", "close"])
+def test_abort_or_close_from_another_thread_ends_a_waiting_call_at_once(store, what,
+                                                                         transport, aio):
+    name, msg, took, closed, broken = run_ranks(watchdog, 2, store.port, what, transport,
+                                                aio)[0]
+    assert took < 5.0, f"the call ended {took:.1f} s after it began (abort at 0.3 s)"
+    if what == "abort":
+        assert name == "GroupBrokenError" and "watchdog: step hung" in msg and broken, msg
+    else:
+        assert name == "GroupClosedError" and closed, msg

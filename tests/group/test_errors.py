@@ -100,6 +100,53 @@ def test_mismatch_of_reduction_op():
         assert msg and "op='max'" in msg and "op='sum'" in msg
 
 
+def roots_differ(g, op):
+    """Rank 0 names itself the root, the others rank 1: each can return without waiting for
+    the other root, so the mismatch shows only after the call, in the next one."""
+    src = 0 if g.rank == 0 else 1
+    t = time.monotonic()
+    try:
+        # (rank 2, waiting for rank 1, may get rank 0's message first: it raises at once)
+        if op == "broadcast":
+            g.broadcast(f"from {g.rank}", src=src, timeout=10)
+        else:
+            g.scatter([f"{g.rank}->{i}" for i in range(g.world_size)], src=src, timeout=10)
+        g.all_reduce(1, timeout=10)
+        g.barrier(timeout=10)
+    except ctrlcomm.MismatchError as e:
+        return "mismatch", str(e), time.monotonic() - t, g.broken
+    except ctrlcomm.GroupBrokenError as e:
+        return "broken", repr(e.__cause__), time.monotonic() - t, g.broken
+    return "no error", None, None, g.broken
+
+
+@pytest.mark.parametrize("op", ["broadcast", "scatter"])
+def test_ranks_naming_different_roots_raise_a_mismatch_instead_of_going_on(op):
+    res = run_group(roots_differ, 3, op)
+    for r, (kind, msg, took, broken) in enumerate(res):
+        assert kind in ("mismatch", "broken") and broken, (r, res)
+        assert "MismatchError" in msg or kind == "mismatch", (r, msg)
+        assert "root=0" in msg and "root=1" in msg, (r, msg)
+        assert took < 8, (r, took)  # not the 10 s deadline of a rank left waiting
+
+
+def reduction_ops_differ(g):
+    """Only rank 0 sees the mismatch (the star's root: rank 1 and 2 send to it and wait):
+    it must tell them, not leave them waiting out their deadline."""
+    t = time.monotonic()
+    try:
+        g.all_reduce(1, op="sum" if g.rank == 0 else "max", timeout=20)
+    except ctrlcomm.MismatchError as e:
+        return str(e), time.monotonic() - t
+    return "no error", None
+
+
+def test_a_mismatch_one_rank_finds_fails_every_rank_at_once():
+    for r, (msg, took) in enumerate(run_group(reduction_ops_differ, 3)):
+        assert "op='sum'" in msg and "op='max'" in msg, (r, msg)
+        assert took < 10, (r, took)
+
+
 def bad_arguments_leave_the_group_working(g):
     r, n = g.rank, g.world_size
     errors = []

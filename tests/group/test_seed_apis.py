@@ -34,6 +34,35 @@ def spg_scenarios(rank, size, port):
     return out
 
 
+def spg_broadcast_streams(rank, size, port):
+    """As in vLLM, each source's broadcasts are a stream of their own: ranks may take
+    broadcasts of different sources in different orders (here rank r first broadcasts, then
+    takes the others' in rank order, and rank 2 takes rank 1's before rank 0's)."""
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size, store_timeout=20)
+    t = time.monotonic()
+    got = {rank: pg.broadcast_obj({"from": rank, "n": 0}, src=rank)}
+    for src in ([1, 0] if rank == 2 else range(size)):
+        if src != rank:
+            got[src] = pg.broadcast_obj(None, src=src)
+    # and a second round, each source's stream in order
+    for src in range(size):
+        got[(src, 1)] = pg.broadcast_obj({"from": src, "n": 1} if src == rank else None, src=src)
+    took = time.monotonic() - t
+    pg.barrier(timeout=10)
+    pg.close()
+    return got, took
+
+
+def test_broadcast_obj_keeps_one_stream_per_source_as_vllm_does():
+    for rank, (got, took) in enumerate(run_ranks(spg_broadcast_streams, 3, free_port())):
+        for src in range(3):
+            assert got[src] == {"from": src, "n": 0}, (rank, got)
+            assert got[(src, 1)] == {"from": src, "n": 1}, (rank, got)
+        assert took < 10, (rank, took)  # not a store_timeout's wait
+
+
 def share_unique_id(group_like):
     uid = b"\x01unique-id" if group_like.rank == 0 else None
     return group_like.broadcast_obj(uid, src=0)
@@ -198,6 +227,18 @@ def spg_tensors(rank, size, port):
         out["recv"] = buf.tolist()
         out["obj"] = pg.recv_obj(0)
     out["as_tensor"] = type(pg.broadcast_obj(torch.tensor([7]), src=0)).__name__
+    # into parameters (tensors that require grad), as a trainer syncs weights; torch's own
+    # collectives write them in place too
+    p = torch.nn.Parameter(torch.full((2,), float(rank + 1)))
+    pg.broadcast(p, src=1)
+    out["param_bcast"] = p.tolist()
+    pg.all_reduce(p, op=dist.ReduceOp.SUM)
+    out["param_sum"] = (p.tolist(), p.requires_grad)
+    if rank == 0:
+        pg.send(torch.tensor([5.0, 6.0]), dst=2)
+    elif rank == 2:
+        pg.recv(p, src=0)
+        out["param_recv"] = p.tolist()
     return out
 
 
@@ -213,6 +254,9 @@ def test_tensor_methods():
         assert out["as_tensor"] == "Tensor"
     assert res[1]["recv"] == [0.0, 1.0, 2.0, 3.0]
     assert res[1]["obj"] == "an object, not a tensor"
+    for out in res:
+        assert out["param_bcast"] == [2.0, 2.0] and out["param_sum"] == ([6.0, 6.0], True)
+    assert res[2]["param_recv"] == [5.0, 6.0]
 
 
 # --------------------------------------------------------------- AsyncZMQCommunicator
