@@ -25,7 +25,13 @@ def _store(args: argparse.Namespace) -> int:
         print("--encrypt needs CTRLCOMM_AUTH_KEY in the environment (the store's keys are "
               "derived from it)", file=sys.stderr)
         return 2
-    srv = StoreServer(args.host, args.port, auth_key=key, encrypt=args.encrypt)
+    from ._errors import CtrlcommError
+
+    try:
+        srv = StoreServer(args.host, args.port, auth_key=key, encrypt=args.encrypt)
+    except CtrlcommError as e:  # the port is in use (named), the host is not ours...
+        print(f"ctrlcomm store: {e}", file=sys.stderr)
+        return 1
     print(f"ctrlcomm store serving on {args.host}:{srv.port}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -68,7 +68,16 @@ class MismatchError(CtrlcommError):
 
 
 class ReductionError(CtrlcommError, ValueError):
-    """A reduction failed (shapes or types did not fit). Every rank of the call raises it."""
+    """A reduction failed (shapes or types did not fit, or the op raised). Every rank that
+    gets the result raises it (``all_reduce``: every rank; ``reduce``: the destination), and
+    so does a rank whose own operand could not be reduced. The group still works."""
+
+
+class OperandError(ReductionError, InvalidArgumentError):
+    """A reduction failed because a rank's operand cannot be reduced by the op (a string to
+    sum, a float to ``band``). It is an :class:`InvalidArgumentError` too. The rank with the
+    operand still takes part in the call, so the others fail with it instead of waiting
+    (or pairing with its next call)."""
 
 
 class ConcurrentUseError(CtrlcommError, RuntimeError):

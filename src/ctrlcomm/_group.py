@@ -26,6 +26,7 @@ from ._errors import (
     FormationError,
     FormationTimeoutError,
     InvalidArgumentError,
+    OperandError,
     ReductionError,
     StoreError,
     StoreTimeoutError,
@@ -69,10 +70,33 @@ def _peer_arg(core: Core, value: Any, what: str, op: str) -> int:
     return r
 
 
-def _timeout_arg(timeout: float | None, op: str) -> float | None:
+def _env_liveness(raw: str | None) -> float | None:
+    """The default ``liveness_timeout``: 5 s, or ``CTRLCOMM_LIVENESS_TIMEOUT``."""
+    if raw is None:
+        return 5.0
+    if raw.strip().lower() in ("none", "off"):
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not v > 0:
+        log.warning("CTRLCOMM_LIVENESS_TIMEOUT=%r is not a number of seconds > 0 or 'none': "
+                    "the default of 5 s applies", raw)
+        return 5.0
+    return v
+
+
+LIVENESS_TIMEOUT_S = _env_liveness(os.environ.get("CTRLCOMM_LIVENESS_TIMEOUT"))
+
+
+def _timeout_arg(timeout: Any, op: str) -> float | None:
     if timeout is None:
         return None
-    t = float(timeout)
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        t = float("nan")
     if not t > 0:
         raise InvalidArgumentError(f"{op}: timeout must be > 0 seconds, got {timeout!r}")
     return t
@@ -161,29 +185,36 @@ def _spec_scatter(core: Core, objs: Any, src: int) -> Call:
 _NAMED_REDUCTIONS: dict[tuple[str, str], tuple[Callable[[Any, Any], Any], int]] = {}
 
 
-def _reduction(core: Core, name: str, obj: Any, op: Any) -> tuple[Callable[[Any, Any], Any], int]:
+def _reduction(core: Core, name: str, obj: Any, op: Any
+               ) -> tuple[Callable[[Any, Any], Any], int, Any]:
+    """The combine function, the opcode and the operand to send: the operand itself, or,
+    where the op cannot reduce it, a failure every rank of the call will raise (only this
+    rank can tell: failing here alone would leave the others waiting for its part, or
+    pairing it with this rank's next call)."""
     named = _NAMED_REDUCTIONS.get((name, op)) if type(op) is str else None
     if named is None:
-        combine = _ops.combiner(op, name, core.rank)
+        combine = _ops.combiner(op, name, core.rank)  # (an unknown op raises here)
         red = len(_ops.NAMED_OPS) + 1 if callable(op) else _ops.NAMED_OPS.index(op) + 1
         named = combine, w.OP_CODE[name] | (red << 4)
         if type(op) is str:
             _NAMED_REDUCTIONS[(name, op)] = named
-    _ops.check_operand(op, obj, name, core.rank)
+    try:
+        _ops.check_operand(op, obj, name, core.rank)
+    except InvalidArgumentError as e:
+        return named[0], named[1], _ops.Failed(str(e), operand=True)
     if core.codec == w.MSGPACK:
         _encodable(core, [obj], name)
-    return named
+    return named[0], named[1], obj
 
 
 def _spec_reduce(core: Core, obj: Any, op: Any, dst: int) -> Call:
     root = _rank_arg(core, dst, "dst", "reduce")
-    combine, code = _reduction(core, "reduce", obj, op)
-    # a rank other than the root returns None: nothing to raise there
+    combine, code, obj = _reduction(core, "reduce", obj, op)
     return Call("reduce", choose("reduce", core.size), (obj, combine, root), code, root, True)
 
 
 def _spec_all_reduce(core: Core, obj: Any, op: Any) -> Call:
-    combine, code = _reduction(core, "all_reduce", obj, op)
+    combine, code, obj = _reduction(core, "all_reduce", obj, op)
     return _new_call(Call, ("all_reduce", choose("all_reduce", core.size), (obj, combine),
                             code, w.NO_ROOT, True))
 
@@ -195,24 +226,32 @@ def _spec_all_to_all(core: Core, objs: Any) -> Call:
 
 
 def _failed(call: Call, core: Core, result: _ops.Failed) -> ReductionError:
-    return ReductionError(f"{call.name} on group {core.name!r} failed (raised on every rank): "
-                          f"{result.message}")
+    cls = OperandError if result.operand else ReductionError
+    return cls(f"{call.name} on group {core.name!r} failed on rank {core.rank}: "
+               f"{result.message}")
+
+
+def _reduced(call: Call, core: Core, r: Any) -> Any:
+    """The result of a reduction call, or its failure raised: where the result came back
+    failed, and on a rank whose own operand could not be reduced (a ``reduce``'s other
+    ranks get no result to tell them)."""
+    if type(r) is _ops.Failed:
+        raise _failed(call, core, r)
+    if type(call.args[0]) is _ops.Failed:
+        raise _failed(call, core, call.args[0])
+    return r
 
 
 def _run_sync(core: Core, call: Call, timeout: float | None) -> Any:
     r = run_sync(core, core.collective(call, None if timeout is None
                                        else _timeout_arg(timeout, call.name)))
-    if call.reduces and type(r) is _ops.Failed:
-        raise _failed(call, core, r)
-    return r
+    return _reduced(call, core, r) if call.reduces else r
 
 
 async def _run_async(core: Core, call: Call, timeout: float | None) -> Any:
     r = await run_async(core, core.collective(call, None if timeout is None
                                               else _timeout_arg(timeout, call.name)))
-    if call.reduces and type(r) is _ops.Failed:
-        raise _failed(call, core, r)
-    return r
+    return _reduced(call, core, r) if call.reduces else r
 
 
 # ------------------------------------------------------------------------ store hosting
@@ -358,7 +397,7 @@ class Group:
         transport: str | None = None,
         zmq_context: Any = None,
         heartbeat_interval: float = 1.0,
-        liveness_timeout: float | None = 5.0,
+        liveness_timeout: float | None = LIVENESS_TIMEOUT_S,
         encrypt: bool = False,
     ) -> Group:
         """Form a group through the store at ``(host, port)``.
@@ -385,7 +424,12 @@ class Group:
             heartbeat_interval: seconds between this rank's heartbeats to its peers.
             liveness_timeout: a peer silent this long (stopped, hung, cut off) is declared
                 lost by the ranks waiting for it; ``None`` turns liveness checks off. A peer
-                that dies is noticed sooner, from its closed connection.
+                that dies is noticed sooner, from its closed connection. Heartbeats are sent
+                by a thread, so a rank whose main thread holds the GIL longer than this (one
+                long C call) looks silent too. The default is 5 s, or
+                ``CTRLCOMM_LIVENESS_TIMEOUT`` (seconds, or ``none``) where it is set, which
+                also reaches groups made for you (``StatelessProcessGroup``,
+                ``AsyncZMQCommunicator``).
             encrypt: encrypt all group and store traffic with CurveZMQ, for untrusted
                 networks. Needs ``auth_key`` and ZeroMQ: each rank makes a key pair and
                 publishes its public key in the authenticated address table; the store's
@@ -404,7 +448,9 @@ class Group:
             raise InvalidArgumentError(f"group name must be a non-empty str without '/' or "
                                        f"newlines, got {name!r}")
         t = _timeout_arg(timeout, "Group.create")
-        assert t is not None
+        if t is None:
+            raise InvalidArgumentError("Group.create: timeout must be > 0 seconds (formation's "
+                                       "deadline and every call's default), got None")
         if transport is None:
             transport = "zmq" if encrypt else "tcp"
         if transport not in ("tcp", "zmq"):
@@ -541,8 +587,9 @@ class Group:
         host = pick("CTRLCOMM_HOST", "MASTER_ADDR")
         if "CTRLCOMM_NAME" in env:
             kwargs.setdefault("name", env["CTRLCOMM_NAME"])
-        if "CTRLCOMM_TIMEOUT" in env:
-            kwargs.setdefault("timeout", float(env["CTRLCOMM_TIMEOUT"]))
+        if "CTRLCOMM_TIMEOUT" in env and "timeout" not in kwargs:
+            kwargs["timeout"] = _timeout_arg(env["CTRLCOMM_TIMEOUT"],
+                                             "Group.from_env: CTRLCOMM_TIMEOUT")
         return cls.create(host, vals["CTRLCOMM_PORT"], vals["CTRLCOMM_RANK"],
                           vals["CTRLCOMM_WORLD_SIZE"], **kwargs)
 

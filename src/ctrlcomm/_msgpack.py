@@ -11,6 +11,7 @@ from typing import Any
 from ._errors import CodecError
 
 _TUPLE = 1
+_FAILED = 2  # a failed reduction (ctrlcomm._ops.Failed), passed on between ranks
 
 
 def _msgpack() -> Any:
@@ -25,12 +26,21 @@ def _default(obj: Any) -> Any:
     m = _msgpack()
     if isinstance(obj, tuple):
         return m.ExtType(_TUPLE, dumps(list(obj)))
+    from ._ops import Failed
+
+    if type(obj) is Failed:
+        return m.ExtType(_FAILED, dumps([obj.message, obj.operand]))
     raise TypeError(f"cannot encode an object of type {type(obj).__name__}")
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == _TUPLE:
         return tuple(loads(data))
+    if code == _FAILED:
+        from ._ops import Failed
+
+        message, operand = loads(data)
+        return Failed(str(message), bool(operand))
     raise ValueError(f"unknown msgpack extension {code}")
 
 

@@ -22,15 +22,17 @@ Op = str | Callable[[Any, Any], Any]
 
 
 class Failed:
-    """A reduction that failed somewhere; carries the first error message."""
+    """A reduction that failed somewhere; carries the first error message, and whether it
+    was a rank's operand the op cannot reduce (``operand``; see :func:`check_operand`)."""
 
-    __slots__ = ("message",)
+    __slots__ = ("message", "operand")
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, operand: bool = False) -> None:
         self.message = message
+        self.operand = operand
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Failed, (self.message,))
+        return (Failed, (self.message, self.operand))
 
 
 def _array_module(x: Any) -> Any:
@@ -95,7 +97,11 @@ def _elementwise(leaf: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
             raise ValueError(f"operands have different lengths ({len(a)} and {len(b)})")
         out = [leaf(x, y) if type(x) in _PLAIN and type(y) in _PLAIN
                else _elementwise(leaf, x, y) for x, y in zip(a, b, strict=True)]
-        return out if type(a) is list else type(a)(out)
+        t = type(a)
+        if t is list or t is tuple:
+            return out if t is list else tuple(out)
+        make = getattr(t, "_make", None)  # a named tuple is built from one iterable
+        return make(out) if make is not None else t(out)
     if isinstance(b, (tuple, list)):
         raise TypeError(f"cannot combine a {type(a).__name__} with a {type(b).__name__}")
     return leaf(a, b)

@@ -219,6 +219,8 @@ class StoreClient:
     def _call(self, op: int, keys: Sequence[bytes], values: Sequence[bytes] = (),
               timeout: float | None = None, wait: float = 0.0) -> w.StoreReply:
         t = self.timeout if timeout is None else float(timeout)
+        # (a wait beyond the wire's limit, decades, would be dropped as malformed)
+        wait = min(wait, w.STORE_MAX_WAIT_S / 2)
         with self._lock:
             req = w.StoreRequest(op, next(self._ids) & 0xFFFFFFFF, wait, tuple(keys), tuple(values))
             rep = self._conn.request(req, deadline=time.monotonic() + t)

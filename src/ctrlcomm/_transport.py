@@ -32,6 +32,7 @@ import errno
 import hashlib
 import hmac
 import ipaddress
+import itertools
 import os
 import select
 import socket
@@ -298,7 +299,7 @@ class ZmqEndpoint:
         """Sleep until a message may be waiting, :meth:`wake` is called or ``timeout``
         seconds pass."""
         bfd = self.bell.fd
-        for s, _ in self._poller.poll(max(0, int(timeout * 1000 + 0.999))):
+        for s, _ in self._poller.poll(min(max(0, int(timeout * 1000 + 0.999)), MAX_POLL_MS)):
             if s == bfd:
                 self.bell.clear()
 
@@ -390,6 +391,11 @@ class StoreConnection:
 
 
 _released: dict[tuple[str, int], float] = {}
+_store_ids = itertools.count()
+# the longest a poll may sleep: ZeroMQ takes milliseconds as a C int (a longer wait, of
+# a request with an hours-long deadline, sleeps again)
+MAX_POLL_MS = 3_600_000
+MAX_POLL_S = MAX_POLL_MS / 1000
 
 
 class StoreServer:
@@ -442,7 +448,9 @@ class StoreServer:
         self.port = int(self.sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self.state = StoreState()
         self.dropped = 0
-        self._wake_addr = f"inproc://ctrlcomm-store-{id(self)}-{os.getpid()}"
+        # (a counter, not id(self): a closed server's id is soon another's, while its
+        # inproc address may not be released yet)
+        self._wake_addr = f"inproc://ctrlcomm-store-{next(_store_ids)}-{os.getpid()}"
         self._wake_rx = ctx.socket(zmq.PULL)
         self._wake_rx.bind(self._wake_addr)
         self._stop = False
@@ -461,7 +469,8 @@ class StoreServer:
         try:
             while not self._stop:
                 nd = st.next_deadline()
-                timeout = None if nd is None else max(0, int((nd - time.monotonic()) * 1000) + 1)
+                timeout = None if nd is None else \
+                    min(max(0, int((nd - time.monotonic()) * 1000) + 1), MAX_POLL_MS)
                 events = dict(poller.poll(timeout))
                 if self._wake_rx in events:
                     break
@@ -996,7 +1005,7 @@ class TcpEndpoint:
     def wait(self, timeout: float) -> None:
         """Sleep until a socket is ready, :meth:`wake` is called or ``timeout`` seconds pass."""
         # the next drain handles these events instead of asking epoll again
-        self._ready = self.ep.poll(max(timeout, 0.0)) or None
+        self._ready = self.ep.poll(min(max(timeout, 0.0), MAX_POLL_S)) or None
 
     def wake(self) -> None:
         """End a wait in progress, blocking or awaited (from any thread)."""

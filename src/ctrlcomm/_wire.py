@@ -273,6 +273,7 @@ def loads(payload: Any, buffers: Sequence[Any], codec: int, unpickle: bool = Tru
 # ------------------------------------------------------------------------ store protocol
 
 STORE_MAGIC = b"CS"
+STORE_MAX_WAIT_S = 1e9  # a request's wait is under this (clients ask for at most half)
 STORE_REQ = struct.Struct("<2sBBIdI")  # magic, version, op, request id, timeout s, nkeys
 STORE_REP = struct.Struct("<2sBBI")  # magic, version, status, request id
 
@@ -350,7 +351,7 @@ def decode_store_request(frames: Sequence[Any], key: bytes | None = None) -> Sto
         raise WireError("bad store magic or version")
     if op not in STORE_OPS:
         raise WireError(f"unknown store op {op}")
-    if not (timeout >= 0.0 and timeout < 1e9):  # also rejects NaN
+    if not (timeout >= 0.0 and timeout < STORE_MAX_WAIT_S):  # also rejects NaN
         raise WireError(f"bad store timeout {timeout!r}")
     if nkeys > MAX_STORE_KEYS or len(frames) < 1 + nkeys:
         raise WireError("bad store key count")

@@ -4,6 +4,8 @@ import asyncio
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -221,3 +223,24 @@ def test_abort_or_close_from_another_thread_ends_a_waiting_call_at_once(store, w
         assert name == "GroupBrokenError" and "watchdog: step hung" in msg and broken, msg
     else:
         assert name == "GroupClosedError" and closed, msg
+
+
+def test_liveness_default_comes_from_the_environment_also_for_the_seed_apis():
+    from ctrlcomm._group import _env_liveness
+
+    assert _env_liveness(None) == 5.0 and _env_liveness("12.5") == 12.5
+    assert _env_liveness("none") is None and _env_liveness("OFF") is None
+    assert _env_liveness("soon") == 5.0 and _env_liveness("-3") == 5.0  # (warned)
+    # read when ctrlcomm is imported: in a fresh process, a StatelessProcessGroup (which
+    # takes no liveness argument) gets it
+    code = ("import ctrlcomm, sys\n"
+            "pg = ctrlcomm.StatelessProcessGroup.create('127.0.0.1', int(sys.argv[1]), 0, 1)\n"
+            "print(pg._group._core.liveness_timeout)\n"
+            "pg.close()\n")
+    from ctrlcomm.testing import free_port
+
+    for value, want in (("30", "30.0"), ("none", "None")):
+        env = dict(os.environ, CTRLCOMM_LIVENESS_TIMEOUT=value)
+        p = subprocess.run([sys.executable, "-c", code, str(free_port())], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stdout.strip() == want, (p.stdout, p.stderr)

@@ -3,6 +3,7 @@
 import asyncio
 import threading
 import time
+from collections import namedtuple
 
 import pytest
 
@@ -195,6 +196,51 @@ def test_reduction_error_raised_on_every_rank_group_still_works(n):
     for msg, after in run_group(reduction_error_everywhere, n):
         assert "different lengths" in msg
         assert after == n
+
+
+def one_rank_with_a_bad_operand(g, codec_note):
+    """Only rank 0's operand cannot be summed: every rank must fail that call (not rank 0
+    alone, which would leave the others waiting, or pair them with its next call)."""
+    out = []
+    for call in (lambda v: g.all_reduce(v, timeout=10),
+                 lambda v: g.reduce(v, dst=1, timeout=10)):
+        try:
+            got = call("x" if g.rank == 0 else 1)
+        except ctrlcomm.ReductionError as e:
+            got = (type(e).__name__, isinstance(e, ctrlcomm.InvalidArgumentError), str(e))
+        out.append(got)
+        out.append(g.all_reduce(100, timeout=10))  # in step, and right
+    return out
+
+
+@pytest.mark.parametrize("codec", ["pickle", "msgpack"])
+def test_one_ranks_bad_operand_fails_the_call_on_every_rank_and_the_group_goes_on(codec):
+    res = run_group(one_rank_with_a_bad_operand, 3, codec, group_kwargs={"codec": codec})
+    for r, (ar, after1, red, after2) in enumerate(res):
+        name, invalid, msg = ar
+        assert name == "OperandError" and invalid, (r, ar)
+        assert "rank 0" in msg and "'x'" in msg, (r, msg)
+        assert after1 == after2 == 300, (r, res[r])
+        # reduce: the destination (rank 1) gets the failure; so does rank 0, whose operand
+        # it was; rank 2 gets no result, and nothing to raise
+        if r == 2:
+            assert red is None, red
+        else:
+            assert red[0] == "OperandError" and "'x'" in red[2], (r, red)
+
+
+Stats = namedtuple("Stats", "queued running")  # (module level: pickled by reference)
+
+
+def reduce_named_tuples(g):
+    s = g.all_reduce(Stats(g.rank, 1), op="sum")
+    m = g.all_reduce([Stats(g.rank, -g.rank)], op="max")
+    return type(s).__name__, tuple(s), type(m[0]).__name__, tuple(m[0])
+
+
+def test_named_tuples_reduce_to_named_tuples():
+    for out in run_group(reduce_named_tuples, 3):
+        assert out == ("Stats", (3, 3), "Stats", (2, 0))
 
 
 def recv_timeout_keeps_group(g):
@@ -452,6 +498,49 @@ def test_from_env_missing_variables(monkeypatch):
         monkeypatch.delenv(v, raising=False)
     with pytest.raises(ctrlcomm.InvalidArgumentError, match="CTRLCOMM_PORT"):
         ctrlcomm.Group.from_env()
+
+
+def test_bad_timeouts_are_invalid_arguments_naming_them(monkeypatch):
+    for bad in ("x", [1], None, 0, -1, float("nan")):
+        with pytest.raises(ctrlcomm.InvalidArgumentError, match="timeout"):
+            ctrlcomm.Group.create("127.0.0.1", 29999, 0, 1, timeout=bad)
+    monkeypatch.setenv("CTRLCOMM_HOST", "127.0.0.1")
+    monkeypatch.setenv("CTRLCOMM_PORT", "29999")
+    monkeypatch.setenv("CTRLCOMM_RANK", "0")
+    monkeypatch.setenv("CTRLCOMM_WORLD_SIZE", "1")
+    monkeypatch.setenv("CTRLCOMM_TIMEOUT", "soon")
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="CTRLCOMM_TIMEOUT.*'soon'"):
+        ctrlcomm.Group.from_env()
+
+
+def calls_with_bad_timeouts(g):
+    errors = []
+    for call in (lambda: g.all_reduce(1, timeout="x"), lambda: g.barrier(timeout=[1]),
+                 lambda: g.recv(src=1 - g.rank, timeout="x"),
+                 lambda: g.send(1, dst=1 - g.rank, timeout=object())):
+        try:
+            call()
+        except ctrlcomm.InvalidArgumentError as e:
+            errors.append(str(e))
+    return errors, g.all_reduce(1)
+
+
+def test_calls_with_bad_timeouts_raise_invalid_arguments_and_the_group_goes_on():
+    for errors, total in run_group(calls_with_bad_timeouts, 2):
+        assert len(errors) == 4 and all("timeout" in e for e in errors), errors
+        assert total == 2
+
+
+def forms_without_a_deadline(rank, size, port):
+    g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=float("inf"),
+                              host_store=False)
+    out = g.all_gather(rank)
+    g.close()
+    return out
+
+
+def test_a_group_without_a_deadline_forms_and_works(store):
+    assert run_ranks(forms_without_a_deadline, 2, store.port, timeout=60) == [[0, 1]] * 2
 
 
 def test_rank_failure_is_reported_by_runner():

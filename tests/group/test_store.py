@@ -99,3 +99,44 @@ def test_port_in_use_for_store_server():
             ctrlcomm.StoreServer("127.0.0.1", srv.port)
     finally:
         srv.close()
+
+    # the command says so in one line, not a traceback
+    srv = ctrlcomm.StoreServer("127.0.0.1", 0)
+    try:
+        p = subprocess.run([sys.executable, "-m", "ctrlcomm", "store", "--port", str(srv.port)],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1 and f"127.0.0.1:{srv.port}" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr, p.stderr
+    finally:
+        srv.close()
+
+
+def test_a_wait_with_a_deadline_days_away_leaves_the_store_serving(store):
+    # (ZeroMQ polls take milliseconds as a C int: 2**31 ms is under 25 days)
+    waiter = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+    t = threading.Thread(target=lambda: _swallow(lambda: waiter.get("never", timeout=1e9)),
+                         daemon=True)
+    t.start()
+    time.sleep(0.3)
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+    c.set("k", "v")
+    assert c.get("k") == b"v"
+    c.set("never", "now")
+    t.join(10)
+    assert not t.is_alive()
+    waiter.close()
+    c.close()
+
+
+def _swallow(f):
+    try:
+        f()
+    except Exception:
+        pass
+
+
+def test_store_servers_made_and_closed_in_a_row_all_start():
+    for _ in range(150):
+        s = ctrlcomm.StoreServer("127.0.0.1", 0)
+        s.close()
+        del s

@@ -6,8 +6,8 @@ def test_all_is_pinned():
         "AioGroup", "AsyncZMQCommunicator", "CodecError", "CollectiveTimeoutError", "ConcurrentUseError",
         "CtrlcommError", "FormationError", "FormationTimeoutError", "Group",
         "GroupBrokenError", "GroupClosedError", "InvalidArgumentError", "MismatchError",
-        "PeerLostError", "ReductionError", "StatelessProcessGroup", "StoreClient", "StoreError", "StoreServer",
-        "StoreTimeoutError", "__version__",
+        "OperandError", "PeerLostError", "ReductionError", "StatelessProcessGroup", "StoreClient",
+        "StoreError", "StoreServer", "StoreTimeoutError", "__version__",
     ])
     for name in ctrlcomm.__all__:
         assert hasattr(ctrlcomm, name)
@@ -20,3 +20,6 @@ def test_every_error_derives_from_one_base():
             assert issubclass(obj, ctrlcomm.CtrlcommError)
     assert issubclass(ctrlcomm.CollectiveTimeoutError, TimeoutError)
     assert issubclass(ctrlcomm.InvalidArgumentError, ValueError)
+    # a rank's operand the op cannot reduce: a failed reduction, and a bad argument
+    assert issubclass(ctrlcomm.OperandError, ctrlcomm.ReductionError)
+    assert issubclass(ctrlcomm.OperandError, ctrlcomm.InvalidArgumentError)
