@@ -592,10 +592,11 @@ class Core:
 
     # ------------------------------------------------------------------ point to point
 
-    def send(self, obj: Any, dst: int | tuple[int, ...], tag: int, timeout: float | None
-             ) -> Wait:
-        """Point to point: ``obj`` to ``dst``, or to each rank of a tuple (encoded once)."""
-        self.enter("send")
+    def send(self, obj: Any, dst: int | tuple[int, ...], tag: int, timeout: float | None,
+             what: str = "") -> Wait:
+        """Point to point: ``obj`` to ``dst``, or to each rank of a tuple (encoded once).
+        ``what`` names the call in errors (default: ``send(dst=..., tag=...)``)."""
+        self.enter(what or "send")
         t = self.timeout if timeout is None else float(timeout)
         dsts = dst if isinstance(dst, tuple) else (dst,)
         try:
@@ -608,15 +609,16 @@ class Core:
                 self.p2p_out[d] = n + 1
                 self.sent += 1
             yield from self._backpressure(list(dsts), time.monotonic() + t, t,
-                                          f"send(dst={dst}, tag={tag})", None)
+                                          what or f"send(dst={dst}, tag={tag})", None)
         finally:
             self.waiting_for = []
             self.leave()
 
-    def recv(self, src: int, tag: int, timeout: float | None) -> Wait:
-        self.enter("recv")
+    def recv(self, src: int, tag: int, timeout: float | None, what: str = "") -> Wait:
+        """The next message of ``src`` with ``tag``; ``what`` names the call in errors."""
+        self.enter(what or "recv")
         t = self.timeout if timeout is None else float(timeout)
-        name = f"recv(src={src}, tag={tag})"
+        name = what or f"recv(src={src}, tag={tag})"
         deadline = time.monotonic() + t
         self._probed = self._looked = False
         self.active = (name, -1, 0, w.NO_ROOT)

@@ -110,11 +110,12 @@ class StatelessProcessGroup:
         then receive rank 1's broadcast while rank 1 does the reverse)."""
         c = self._group._core
         src = _rank_arg(c, src, "src", "broadcast_obj")
+        what = f"broadcast_obj(src={src})"
         if self.rank != src:
-            return run_sync(c, c.recv(src, _BCAST_TAG, None))
+            return run_sync(c, c.recv(src, _BCAST_TAG, None, what))
         others = tuple(r for r in range(self.world_size) if r != src)
         if others:
-            run_sync(c, c.send(obj, others, _BCAST_TAG, None))
+            run_sync(c, c.send(obj, others, _BCAST_TAG, None, what))
         else:
             c.check_open()
         return obj

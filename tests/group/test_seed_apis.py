@@ -63,6 +63,27 @@ def test_broadcast_obj_keeps_one_stream_per_source_as_vllm_does():
         assert took < 10, (rank, took)  # not a store_timeout's wait
 
 
+def spg_broadcast_never_made(rank, size, port):
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size, store_timeout=2)
+    pg.barrier()
+    if rank == 1:
+        try:
+            pg.broadcast_obj(None, src=0)
+        except ctrlcomm.CollectiveTimeoutError as e:
+            out = str(e)
+    else:
+        out = None
+    pg.barrier(timeout=10)
+    return out
+
+
+def test_a_broadcast_obj_that_never_comes_times_out_naming_it():
+    msg = run_ranks(spg_broadcast_never_made, 2, free_port())[1]
+    assert "broadcast_obj(src=0)" in msg and "[0]" in msg, msg
+
+
 def share_unique_id(group_like):
     uid = b"\x01unique-id" if group_like.rank == 0 else None
     return group_like.broadcast_obj(uid, src=0)
