@@ -95,6 +95,7 @@ class Call(NamedTuple):
 
 
 _monotonic = time.monotonic
+_get_ident = threading.get_ident
 _ploads = w._ploads  # the usual payload is decoded in line (w.loads without its call)
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
 
@@ -137,6 +138,8 @@ class Core:
         self.last: tuple[str, int | None] = ("nothing yet", None)
         self._lock = threading.Lock()
         self._owner = ""
+        self._holder = 0  # the thread that last took the lock
+        self._blocking = False  # whether a blocking call (run_sync) is running
         # what close() and abort() asked for while a call held the group ("close", "") or
         # ("abort", reason): the sockets are used by the thread holding the group only, so
         # that thread does it, woken at once (see _defer)
@@ -340,8 +343,8 @@ class Core:
 
     def brk(self, cause: BaseException) -> None:
         if self.state == "open":
+            self.cause = cause  # (first: a call in another thread raises it once broken)
             self.state = "broken"
-            self.cause = cause
 
     def enter(self, what: str) -> None:
         if not self._lock.acquire(blocking=False):
@@ -349,14 +352,20 @@ class Core:
                 f"group {self.name!r} (rank {self.rank}) is busy with {self._owner}: a group is "
                 f"used by one thread or coroutine at a time (called {what})")
         self._owner = what
+        self._holder = _get_ident()
         try:
             self.check_open()
         except BaseException:
-            self._lock.release()
+            self._unlock()
             raise
 
     def leave(self) -> None:
         self._owner = ""
+        self._unlock()
+
+    def _unlock(self) -> None:
+        """Release the group, then run what close() or abort() asked for while it was held
+        (they could not take the lock: whoever releases it must look)."""
         self._lock.release()
         if self._deferred:
             self._run_deferred_unlocked()
@@ -376,6 +385,7 @@ class Core:
         if self.state != "open" or not self._lock.acquire(False):  # False: do not block
             self.enter(name)  # raises: closed, broken, or busy
         self._owner = name
+        self._holder = _get_ident()
         seq = self.seq
         self.seq = seq + 1
         self.active = (name, seq, opcode, root)
@@ -658,14 +668,23 @@ class Core:
             try:
                 self._run_deferred()
             finally:
-                self._lock.release()
+                self._unlock()
+        elif self._holder == _get_ident() and not self._blocking:
+            # held by an awaited call suspended in this thread's event loop (which may never
+            # run again): no other thread uses the sockets: do it now; the call, if it
+            # resumes, finds the group closed or broken. (Not so when a blocking call of
+            # this thread is under this one, in a signal handler or a reduction callable:
+            # it is mid-wait or mid-step, and does it itself, below.)
+            self._run_deferred()
         else:
-            # the holder runs it at its next wake-up or when its call ends, whichever is
-            # first; if it has just ended, it finds this after releasing the lock
+            # held by another thread: it runs this at its next wake-up, or when its call
+            # ends, whichever is first (after releasing the lock, it looks: _unlock)
             self.ep.wake()
 
     def _run_deferred_unlocked(self) -> None:
-        if self._lock.acquire(False):  # (else another thread is running it, or a call)
+        # (the loop: what is asked while this runs is run too, or by whoever holds the
+        # lock when it is asked)
+        while self._deferred and self._lock.acquire(False):
             try:
                 self._run_deferred()
             finally:
@@ -709,6 +728,7 @@ class Core:
 
 def run_sync(core: Core, gen: Wait) -> Any:
     """Blocking driver: run ``gen`` in this thread, sleeping in ``zmq_poll`` when it waits."""
+    core._blocking = True
     try:
         delay = next(gen)
         while True:
@@ -716,6 +736,8 @@ def run_sync(core: Core, gen: Wait) -> Any:
             delay = gen.send(None)
     except StopIteration as e:
         return e.value
+    finally:
+        core._blocking = False
 
 
 async def run_async(core: Core, gen: Wait) -> Any:

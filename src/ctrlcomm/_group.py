@@ -200,10 +200,10 @@ def _reduction(core: Core, name: str, obj: Any, op: Any
             _NAMED_REDUCTIONS[(name, op)] = named
     try:
         _ops.check_operand(op, obj, name, core.rank)
-    except InvalidArgumentError as e:
+        if core.codec == w.MSGPACK:
+            _encodable(core, [obj], name)
+    except (InvalidArgumentError, CodecError) as e:  # (the same for an unencodable one)
         return named[0], named[1], _ops.Failed(str(e), operand=True)
-    if core.codec == w.MSGPACK:
-        _encodable(core, [obj], name)
     return named[0], named[1], obj
 
 

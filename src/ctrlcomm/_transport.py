@@ -130,9 +130,11 @@ def _curve_server(sock: zmq.Socket[Any], secret: bytes) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
 
 
-async def _readable(fd: int, timeout: float, bell: _Bell | None = None) -> None:
-    """Return when ``fd`` is readable, ``bell`` rings or ``timeout`` seconds pass, through
-    the running event loop (reader callbacks: no thread, no polling)."""
+async def _readable(fd: int, timeout: float,
+                    waiting: Callable[[Any], None] | None = None) -> None:
+    """Return when ``fd`` is readable or ``timeout`` seconds pass, through the running event
+    loop (a reader callback: no thread, no polling). ``waiting`` is told ``(loop, wake)``
+    for the wait's duration, then ``None``: ``loop.call_soon_threadsafe(wake)`` ends it."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
 
@@ -140,23 +142,17 @@ async def _readable(fd: int, timeout: float, bell: _Bell | None = None) -> None:
         if not fut.done():
             fut.set_result(None)
 
-    def rung() -> None:
-        assert bell is not None
-        bell.clear()  # (level-triggered: it would fire again and again)
-        wake()
-
     loop.add_reader(fd, wake)
-    bfd = bell.fd if bell is not None else -1
-    if bfd >= 0:
-        loop.add_reader(bfd, rung)
     timer = loop.call_later(max(timeout, 0.0), wake)
+    if waiting is not None:
+        waiting((loop, wake))
     try:
         await fut
     finally:
+        if waiting is not None:
+            waiting(None)
         timer.cancel()
         loop.remove_reader(fd)
-        if bfd >= 0:
-            loop.remove_reader(bfd)
 
 
 class _Bell:
@@ -166,12 +162,17 @@ class _Bell:
 
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # ring and close from different threads: a descriptor closed in between could be
+        # another file's by the time it is written to
+        self._lock = threading.Lock()
 
     def ring(self) -> None:
-        try:
-            os.eventfd_write(self.fd, 1)
-        except OSError:  # closed meanwhile: nothing left to wake
-            pass
+        with self._lock:
+            if self.fd >= 0:
+                try:
+                    os.eventfd_write(self.fd, 1)
+                except OSError:  # (rung past 2**64 - 2 times unread: it still wakes)
+                    pass
 
     def clear(self) -> None:
         try:
@@ -180,7 +181,8 @@ class _Bell:
             pass
 
     def close(self) -> None:
-        fd, self.fd = self.fd, -1
+        with self._lock:
+            fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
 
@@ -230,6 +232,8 @@ class ZmqEndpoint:
         self._poller.register(self.rx, zmq.POLLIN)
         self.bell = _Bell()
         self._poller.register(self.bell.fd, zmq.POLLIN)
+        # (loop, wake) of an awaited wait in progress (see wake)
+        self._aw: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
         self.sink: Callable[[w.Message | None], int | None] | None = None  # unused here
@@ -299,19 +303,28 @@ class ZmqEndpoint:
         """Sleep until a message may be waiting, :meth:`wake` is called or ``timeout``
         seconds pass."""
         bfd = self.bell.fd
-        for s, _ in self._poller.poll(min(max(0, int(timeout * 1000 + 0.999)), MAX_POLL_MS)):
+        for s, _ in self._poller.poll(int(min(max(timeout, 0.0), MAX_POLL_S) * 1000 + 0.999)):
             if s == bfd:
                 self.bell.clear()
 
     def wake(self) -> None:
-        """End a wait in progress (from any thread)."""
-        self.bell.ring()
+        """End a wait in progress, blocking or awaited (from any thread)."""
+        self.bell.ring()  # (a blocking wait polls it)
+        aw = self._aw
+        if aw is not None:
+            try:
+                aw[0].call_soon_threadsafe(aw[1])
+            except RuntimeError:  # the loop is closed
+                pass
+
+    def _set_aw(self, aw: Any) -> None:
+        self._aw = aw
 
     async def wait_async(self, timeout: float) -> None:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""
         if self.rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             return
-        await _readable(self.fd, timeout, self.bell)
+        await _readable(self.fd, timeout, self._set_aw)
 
     def close(self) -> None:
         if self.closed:

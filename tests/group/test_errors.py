@@ -232,6 +232,23 @@ def test_one_ranks_bad_operand_fails_the_call_on_every_rank_and_the_group_goes_o
 Stats = namedtuple("Stats", "queued running")  # (module level: pickled by reference)
 
 
+def one_rank_with_an_unencodable_operand(g):
+    import numpy as np
+
+    try:  # msgpack takes numbers, not numpy scalars: only rank 0 can tell
+        got = g.all_reduce(np.int64(3) if g.rank == 0 else 1, timeout=10)
+    except ctrlcomm.OperandError as e:
+        got = str(e)
+    return got, g.all_reduce(10, timeout=10)
+
+
+def test_one_ranks_unencodable_operand_fails_the_call_on_every_rank():
+    for got, after in run_group(one_rank_with_an_unencodable_operand, 2,
+                                group_kwargs={"codec": "msgpack"}):
+        assert "rank 0" in got and "int64" in got, got
+        assert after == 20
+
+
 def reduce_named_tuples(g):
     s = g.all_reduce(Stats(g.rank, 1), op="sum")
     m = g.all_reduce([Stats(g.rank, -g.rank)], op="max")
@@ -531,16 +548,24 @@ def test_calls_with_bad_timeouts_raise_invalid_arguments_and_the_group_goes_on()
         assert total == 2
 
 
-def forms_without_a_deadline(rank, size, port):
+def forms_without_a_deadline(rank, size, port, transport):
     g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=float("inf"),
-                              host_store=False)
-    out = g.all_gather(rank)
+                              host_store=False, transport=transport, liveness_timeout=None,
+                              name=f"nodeadline-{transport}")
+    out = [g.all_gather(rank)]
+    if rank == 0:
+        g.send("hi", 1, timeout=float("inf"))
+    else:
+        out.append(g.recv(0, timeout=float("inf")))
+    g.barrier(timeout=float("inf"))
     g.close()
     return out
 
 
-def test_a_group_without_a_deadline_forms_and_works(store):
-    assert run_ranks(forms_without_a_deadline, 2, store.port, timeout=60) == [[0, 1]] * 2
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_a_group_without_a_deadline_forms_and_works(store, transport):
+    res = run_ranks(forms_without_a_deadline, 2, store.port, transport, timeout=60)
+    assert res == [[[0, 1]], [[0, 1], "hi"]]
 
 
 def test_rank_failure_is_reported_by_runner():
