@@ -23,6 +23,7 @@ from ._algo import choose
 from ._core import Call, Core, run_async, run_sync
 from ._errors import (
     CodecError,
+    CtrlcommError,
     FormationError,
     FormationTimeoutError,
     InvalidArgumentError,
@@ -135,6 +136,17 @@ def _encodable(core: Core, objs: Sequence[Any], op: str) -> None:
                 raise CodecError(f"{op} on rank {core.rank}: {e}") from None
 
 
+def _unsendable(core: Core, objs: Sequence[Any], op: str) -> _ops.Failed | None:
+    """With the data-only codec, the failure to send in the call in place of an object it
+    cannot encode (this rank alone can tell: raising here alone would leave the others
+    waiting for its part, or pairing it with this rank's next call); else None."""
+    try:
+        _encodable(core, objs, op)
+    except CodecError as e:
+        return _ops.Failed(str(e), "codec")
+    return None
+
+
 _NO_ARGS: tuple[Any, ...] = ()
 # the calls made most often build their Call with tuple.__new__: a named tuple's own __new__
 # is a Python function, one more frame per call (all six fields are given)
@@ -151,35 +163,48 @@ def _spec_barrier(core: Core) -> Call:
     return _barrier_call(core.size)  # the same for every barrier of a world size
 
 
+# In a data-only group a call may carry a rank's failure to encode its object (see
+# _unsendable): its result is then checked (Call.reduces) and the failure raised everywhere.
+
+
 def _spec_broadcast(core: Core, obj: Any, src: int) -> Call:
     root = _rank_arg(core, src, "src", "broadcast")
-    if core.rank == root and core.codec == w.MSGPACK:
-        _encodable(core, [obj], "broadcast")
+    checked = core.codec == w.MSGPACK
+    if checked and core.rank == root:
+        obj = _unsendable(core, [obj], "broadcast") or obj
     # only the root knows the payload; every rank must pick the same plan, so the size
     # test cannot depend on it: the small-world variant is flat whatever the size
     return _new_call(Call, ("broadcast", choose("broadcast", core.size), (obj, root),
-                            _BROADCAST, root, False))
+                            _BROADCAST, root, checked))
 
 
 def _spec_gather(core: Core, obj: Any, dst: int) -> Call:
     root = _rank_arg(core, dst, "dst", "gather")
-    _encodable(core, [obj], "gather")
-    return Call("gather", choose("gather", core.size), (obj, root), w.OP_CODE["gather"], root)
+    checked = core.codec == w.MSGPACK
+    if checked:
+        obj = _unsendable(core, [obj], "gather") or obj
+    return Call("gather", choose("gather", core.size), (obj, root), w.OP_CODE["gather"], root,
+                checked)
 
 
 def _spec_all_gather(core: Core, obj: Any) -> Call:
-    if core.codec == w.MSGPACK:
-        _encodable(core, [obj], "all_gather")
+    checked = core.codec == w.MSGPACK
+    if checked:
+        obj = _unsendable(core, [obj], "all_gather") or obj
     return _new_call(Call, ("all_gather", choose("all_gather", core.size), (obj,),
-                            _ALL_GATHER, w.NO_ROOT, False))
+                            _ALL_GATHER, w.NO_ROOT, checked))
 
 
 def _spec_scatter(core: Core, objs: Any, src: int) -> Call:
     root = _rank_arg(core, src, "src", "scatter")
     mine = _per_rank(core, objs, "scatter") if core.rank == root else None
-    _encodable(core, mine or [], "scatter")
+    checked = core.codec == w.MSGPACK
+    if checked and mine is not None:
+        bad = _unsendable(core, mine, "scatter")
+        if bad is not None:
+            mine = [bad] * core.size
     return Call("scatter", choose("scatter", core.size), (mine, root), w.OP_CODE["scatter"],
-                 root)
+                root, checked)
 
 
 _NAMED_REDUCTIONS: dict[tuple[str, str], tuple[Callable[[Any, Any], Any], int]] = {}
@@ -203,7 +228,7 @@ def _reduction(core: Core, name: str, obj: Any, op: Any
         if core.codec == w.MSGPACK:
             _encodable(core, [obj], name)
     except (InvalidArgumentError, CodecError) as e:  # (the same for an unencodable one)
-        return named[0], named[1], _ops.Failed(str(e), operand=True)
+        return named[0], named[1], _ops.Failed(str(e), "operand")
     return named[0], named[1], obj
 
 
@@ -221,24 +246,41 @@ def _spec_all_reduce(core: Core, obj: Any, op: Any) -> Call:
 
 def _spec_all_to_all(core: Core, objs: Any) -> Call:
     mine = _per_rank(core, objs, "all_to_all")
-    _encodable(core, mine, "all_to_all")
-    return Call("all_to_all", _plans.all_to_all, (mine,), w.OP_CODE["all_to_all"])
+    checked = core.codec == w.MSGPACK
+    if checked:
+        bad = _unsendable(core, mine, "all_to_all")
+        if bad is not None:
+            mine = [bad] * core.size
+    return Call("all_to_all", _plans.all_to_all, (mine,), w.OP_CODE["all_to_all"],
+                w.NO_ROOT, checked)
 
 
-def _failed(call: Call, core: Core, result: _ops.Failed) -> ReductionError:
-    cls = OperandError if result.operand else ReductionError
+# the calls whose result is a list of the ranks' objects: one may be a rank's failure
+_LISTS = frozenset(w.OP_CODE[n] for n in ("gather", "all_gather", "all_to_all"))
+
+
+def _failed(call: Call, core: Core, result: _ops.Failed) -> CtrlcommError:
+    cls = {"operand": OperandError, "codec": CodecError}.get(result.kind, ReductionError)
     return cls(f"{call.name} on group {core.name!r} failed on rank {core.rank}: "
                f"{result.message}")
 
 
 def _reduced(call: Call, core: Core, r: Any) -> Any:
-    """The result of a reduction call, or its failure raised: where the result came back
-    failed, and on a rank whose own operand could not be reduced (a ``reduce``'s other
+    """The result of a call that may carry a failure (a reduction; any call of a data-only
+    group), or the failure raised: where the result came back failed, or holds a rank's
+    failure, and on a rank whose own object failed (a ``reduce``'s or ``gather``'s other
     ranks get no result to tell them)."""
     if type(r) is _ops.Failed:
         raise _failed(call, core, r)
-    if type(call.args[0]) is _ops.Failed:
-        raise _failed(call, core, call.args[0])
+    if type(r) is list and call.opcode in _LISTS:
+        for x in r:
+            if type(x) is _ops.Failed:
+                raise _failed(call, core, x)
+    mine = call.args[0] if call.args else None
+    if type(mine) is _ops.Failed:
+        raise _failed(call, core, mine)
+    if type(mine) is list and mine and type(mine[0]) is _ops.Failed:  # scatter, all_to_all
+        raise _failed(call, core, mine[0])
     return r
 
 

@@ -29,7 +29,7 @@ def _default(obj: Any) -> Any:
     from ._ops import Failed
 
     if type(obj) is Failed:
-        return m.ExtType(_FAILED, dumps([obj.message, obj.operand]))
+        return m.ExtType(_FAILED, dumps([obj.message, obj.kind]))
     raise TypeError(f"cannot encode an object of type {type(obj).__name__}")
 
 
@@ -39,8 +39,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == _FAILED:
         from ._ops import Failed
 
-        message, operand = loads(data)
-        return Failed(str(message), bool(operand))
+        message, kind = loads(data)
+        return Failed(str(message), str(kind))
     raise ValueError(f"unknown msgpack extension {code}")
 
 

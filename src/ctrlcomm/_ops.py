@@ -22,17 +22,20 @@ Op = str | Callable[[Any, Any], Any]
 
 
 class Failed:
-    """A reduction that failed somewhere; carries the first error message, and whether it
-    was a rank's operand the op cannot reduce (``operand``; see :func:`check_operand`)."""
+    """A call that failed somewhere; carries the first error message, and its ``kind``:
+    ``"reduction"`` (combining failed), ``"operand"`` (a rank's operand the op cannot
+    reduce; see :func:`check_operand`) or ``"codec"`` (a rank's object the group's codec
+    cannot encode). It travels in the call in place of the object, so every rank stays in
+    step and raises it."""
 
-    __slots__ = ("message", "operand")
+    __slots__ = ("message", "kind")
 
-    def __init__(self, message: str, operand: bool = False) -> None:
+    def __init__(self, message: str, kind: str = "reduction") -> None:
         self.message = message
-        self.operand = operand
+        self.kind = kind
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Failed, (self.message, self.operand))
+        return (Failed, (self.message, self.kind))
 
 
 def _array_module(x: Any) -> Any:

@@ -88,10 +88,11 @@ def test_store_with_key_ignores_clients_without_it():
 def msgpack_group(g):
     out = [g.all_gather({"rank": g.rank, "t": (1, 2)}), g.all_reduce((g.rank, 2), op="max")]
     try:
-        g.broadcast(object(), src=g.rank)  # raised before anything is sent
+        # only the root can tell: the failure travels in the call, and every rank raises
+        g.broadcast(object() if g.rank == 0 else None, src=0)
     except ctrlcomm.CodecError as e:
         out.append(str(e))
-    out.append(g.all_reduce(1))  # the group still works
+    out.append(g.all_reduce(1))  # the group still works, in step
     return out
 
 
@@ -101,6 +102,40 @@ def test_data_only_codec():
         assert out[1] == (1, 2)
         assert "msgpack" in out[2] and "object" in out[2]
         assert out[3] == 2
+
+
+def one_rank_cannot_encode(g):
+    """Only rank 1's object is one msgpack cannot encode (only rank 1 can tell): every rank
+    that gets a result, and rank 1, raise CodecError, and the group stays in step (the
+    all_reduce after each call pairs with the same call everywhere)."""
+    bad = object()
+    r, n = g.rank, g.world_size
+    calls = {
+        "broadcast": lambda: g.broadcast(bad if r == 1 else None, src=1),
+        "gather": lambda: g.gather(bad if r == 1 else r, dst=0),
+        "all_gather": lambda: g.all_gather(bad if r == 1 else r),
+        "scatter": lambda: g.scatter([bad] + [0] * (n - 1) if r == 1 else None, src=1),
+        "all_to_all": lambda: g.all_to_all([bad if r == 1 else r] * n),
+    }
+    out = {}
+    for i, (name, call) in enumerate(calls.items()):
+        try:
+            got = ("returned", call())
+        except ctrlcomm.CodecError as e:
+            got = ("CodecError", str(e))
+        out[name] = got, g.all_reduce(i, timeout=10)
+    return out
+
+
+def test_an_object_one_rank_cannot_encode_fails_the_call_and_keeps_the_group_in_step():
+    res = run_group(one_rank_cannot_encode, 3, group_kwargs={"codec": "msgpack"})
+    for r, out in enumerate(res):
+        for i, (name, ((kind, what), after)) in enumerate(out.items()):
+            assert after == 3 * i, (r, name, after)
+            if name == "gather" and r == 2:  # neither the destination nor the sender
+                assert (kind, what) == ("returned", None), (r, name, kind, what)
+            else:
+                assert kind == "CodecError" and "rank 1" in what, (r, name, kind, what)
 
 
 class _OpensAFile:
