@@ -57,22 +57,20 @@ def one_thread_pools() -> Any:
             os.environ.pop(k, None)
 
 
+# a size's suffixes and their multipliers, the longer of two that end alike first
+_SUFFIXES = tuple((p + end, m) for p, m in (("K", 1024), ("M", 1024**2), ("G", 1024**3))
+                  for end in ("IB", "B", "")) + (("B", 1),)
+
+
 def parse_size(text: str) -> int:
     """Bytes from ``8``, ``8B``, ``1K``, ``64K``, ``1M``, ``2MiB``, ``1.5k`` (powers of 1024).
     Raises ValueError naming the text for anything else, a negative size among them."""
     t = text.strip().upper()
     mult = 1
-    for suffix, m in (("K", 1024), ("M", 1024**2), ("G", 1024**3)):
-        for end in (suffix + "IB", suffix + "B", suffix):
-            if t.endswith(end):
-                mult, t = m, t[:-len(end)]
-                break
-        else:
-            continue
-        break
-    else:
-        if t.endswith("B"):  # bytes: 8B
-            t = t[:-1]
+    for end, m in _SUFFIXES:
+        if t.endswith(end):
+            mult, t = m, t[:-len(end)]
+            break
     try:
         n = float(t)
     except ValueError:

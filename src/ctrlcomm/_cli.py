@@ -42,28 +42,23 @@ def _store(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least(least: int) -> Callable[[str], int]:
+def _int_in(least: int, most: int | None = None, what: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer from ``least`` (to ``most``), else an error naming it."""
+    want = what or (f"an integer >= {least}" if most is None else f"an integer {least}-{most}")
+
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             v = least - 1
-        if v < least:
-            raise argparse.ArgumentTypeError(f"an integer >= {least}, got {text!r}")
+        if v < least or (most is not None and v > most):
+            raise argparse.ArgumentTypeError(f"{want}, got {text!r}")
         return v
     return parse
 
 
 def _port_from(least: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            v = -1
-        if not least <= v < 65536:
-            raise argparse.ArgumentTypeError(f"a TCP port ({least}-65535), got {text!r}")
-        return v
-    return parse
+    return _int_in(least, 65535, f"a TCP port ({least}-65535)")
 
 
 def _listed(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -87,15 +82,14 @@ def _size(text: str) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from . import _bench as b
 
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    bad = [o for o in ops if o not in b.DEFAULT_OPS]
-    if bad or not ops:
-        print(f"unknown ops {bad or args.ops!r}; choose from {','.join(b.DEFAULT_OPS)}",
-              file=sys.stderr)
-        return 2
-    cfg = {"ops": ops, "sizes": args.sizes,
+    cfg = {"ops": [o.strip() for o in args.ops.split(",") if o.strip()], "sizes": args.sizes,
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
            "transport": args.transport, "repeat": args.repeat}
+    try:
+        b.check_cfg(cfg)
+    except ValueError as e:
+        print(f"ctrlcomm bench: {e}", file=sys.stderr)
+        return 2
     systems = ["ctrlcomm"] + (["ctrlcomm-aio"] if args.aio else [])
     failed: dict[tuple[str, int], str] = {}  # (system, world size): why its run failed
     rows: list[dict[str, Any]] | None
@@ -186,16 +180,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.set_defaults(func=_store)
 
     bp = sub.add_parser("bench", help="latency suite (spawns local ranks on loopback)")
-    bp.add_argument("-n", type=_listed(_at_least(1)), default=[2, 4],
+    bp.add_argument("-n", type=_listed(_int_in(1)), default=[2, 4],
                     help="world sizes, e.g. 2,4,8")
     bp.add_argument("--ops", default=",".join(("barrier", "all_reduce", "broadcast",
                                                "all_gather", "gather", "scatter",
                                                "all_to_all", "send_recv")))
     bp.add_argument("--sizes", type=_listed(_size), default=[8],
                     help="payload sizes, e.g. 8,1K,64K,1M")
-    bp.add_argument("--iters", type=_at_least(1), default=1000)
-    bp.add_argument("--warmup", type=_at_least(0), default=100)
-    bp.add_argument("--repeat", type=_at_least(1), default=1,
+    bp.add_argument("--iters", type=_int_in(1), default=1000)
+    bp.add_argument("--warmup", type=_int_in(0), default=100)
+    bp.add_argument("--repeat", type=_int_in(1), default=1,
                     help="run the systems in turn this many times and pool their samples "
                          "(evens out slow spells of a shared machine)")
     bp.add_argument("--aio", action="store_true",
@@ -210,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bp.add_argument("--json", help="write results to this file")
     bp.add_argument("--host")
     bp.add_argument("--port", type=_port_from(1))
-    bp.add_argument("--rank", type=_at_least(0))
-    bp.add_argument("--world-size", type=_at_least(1))
+    bp.add_argument("--rank", type=_int_in(0))
+    bp.add_argument("--world-size", type=_int_in(1))
     bp.set_defaults(func=_bench)
 
     args = p.parse_args(argv)

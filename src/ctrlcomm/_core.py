@@ -281,10 +281,12 @@ class Core:
         a = self.active
         assert a is not None
         if self.mismatch is None:
-            self.mismatch = MismatchError(
-                f"group {self.name!r}: collective #{a[1]} mismatch: rank {self.rank} called "
-                f"{describe(a[2], a[3])}, rank {m.src} called {describe(m.op, m.root)}"
-            )
+            self.mismatch = MismatchError(self._mismatch_text(a[1], a[2], a[3], m))
+
+    def _mismatch_text(self, seq: int, op: int, root: int, m: w.Message) -> str:
+        """That this rank called (op, root) as collective #seq, and ``m``'s sender another."""
+        return (f"group {self.name!r}: collective #{seq} mismatch: rank {self.rank} called "
+                f"{describe(op, root)}, rank {m.src} called {describe(m.op, m.root)}")
 
     def _late_mismatch(self, m: w.Message, past: tuple[int, int, int]) -> None:
         """A message of call #seq, which returned here, shows its sender called another
@@ -294,10 +296,8 @@ class Core:
         if self.state != "open":
             return
         e = MismatchError(
-            f"group {self.name!r}: collective #{past[0]} mismatch: rank {self.rank} called "
-            f"{describe(past[1], past[2])}, rank {m.src} called {describe(m.op, m.root)} "
-            f"(found after #{past[0]} had returned on rank {self.rank}: its result there may "
-            "be wrong)")
+            f"{self._mismatch_text(*past, m)} (found after #{past[0]} had returned on rank "
+            f"{self.rank}: its result there may be wrong)")
         self._notify_mismatch(e)
         self.brk(e)
 
@@ -697,26 +697,23 @@ class Core:
             if self.ep.closed:
                 continue
             if what == "abort":
-                for p in range(self.size):
-                    if p != self.rank and p not in self.gone:
-                        self._send_raw(p, w.ABORT, reason.encode())
+                self._tell_peers(w.ABORT, reason)
             else:
-                for p in range(self.size):
-                    if p != self.rank and p not in self.gone:
-                        self._send_raw(p, w.BYE, b"")
+                self._tell_peers(w.BYE, "")
                 self.ep.close()
 
-    def _notify_lost(self, e: PeerLostError) -> None:
-        text = f"{LOST_PREFIX}{','.join(map(str, e.ranks))}|{e}"
+    def _tell_peers(self, kind: int, text: str) -> None:
+        """A control message to every peer not known gone (best effort)."""
+        payload = text.encode()
         for p in range(self.size):
             if p != self.rank and p not in self.gone:
-                self._send_raw(p, w.ABORT, text.encode())
+                self._send_raw(p, kind, payload)
+
+    def _notify_lost(self, e: PeerLostError) -> None:
+        self._tell_peers(w.ABORT, f"{LOST_PREFIX}{','.join(map(str, e.ranks))}|{e}")
 
     def _notify_mismatch(self, e: MismatchError) -> None:
-        text = f"{MISMATCH_PREFIX}{e}".encode()
-        for p in range(self.size):
-            if p != self.rank and p not in self.gone:
-                self._send_raw(p, w.ABORT, text)
+        self._tell_peers(w.ABORT, f"{MISMATCH_PREFIX}{e}")
 
     def abort(self, reason: str) -> None:
         if self.state == "closed":

@@ -71,16 +71,21 @@ def _peer_arg(core: Core, value: Any, what: str, op: str) -> int:
     return r
 
 
+def _seconds(value: Any) -> float:
+    """``value`` as a float, NaN where it is none (NaN fails every ``> 0`` check)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def _env_liveness(raw: str | None) -> float | None:
     """The default ``liveness_timeout``: 5 s, or ``CTRLCOMM_LIVENESS_TIMEOUT``."""
     if raw is None:
         return 5.0
     if raw.strip().lower() in ("none", "off"):
         return None
-    try:
-        v = float(raw)
-    except ValueError:
-        v = float("nan")
+    v = _seconds(raw)
     if not v > 0:
         log.warning("CTRLCOMM_LIVENESS_TIMEOUT=%r is not a number of seconds > 0 or 'none': "
                     "the default of 5 s applies", raw)
@@ -94,10 +99,7 @@ LIVENESS_TIMEOUT_S = _env_liveness(os.environ.get("CTRLCOMM_LIVENESS_TIMEOUT"))
 def _timeout_arg(timeout: Any, op: str) -> float | None:
     if timeout is None:
         return None
-    try:
-        t = float(timeout)
-    except (TypeError, ValueError):
-        t = float("nan")
+    t = _seconds(timeout)
     if not t > 0:
         raise InvalidArgumentError(f"{op}: timeout must be > 0 seconds, got {timeout!r}")
     return t
@@ -136,15 +138,25 @@ def _encodable(core: Core, objs: Sequence[Any], op: str) -> None:
                 raise CodecError(f"{op} on rank {core.rank}: {e}") from None
 
 
-def _unsendable(core: Core, objs: Sequence[Any], op: str) -> _ops.Failed | None:
-    """With the data-only codec, the failure to send in the call in place of an object it
-    cannot encode (this rank alone can tell: raising here alone would leave the others
-    waiting for its part, or pairing it with this rank's next call); else None."""
+def _sendable(core: Core, obj: Any, op: str) -> Any:
+    """``obj``, or where the data-only codec cannot encode it, the failure to send in the
+    call in its place (this rank alone can tell: raising here alone would leave the others
+    waiting for its part, or pairing it with this rank's next call)."""
+    try:
+        _encodable(core, [obj], op)
+    except CodecError as e:
+        return _ops.Failed(str(e), "codec")
+    return obj
+
+
+def _sendable_each(core: Core, objs: list[Any], op: str) -> list[Any]:
+    """As :func:`_sendable`, for one object per rank: where one fails, every rank gets the
+    failure."""
     try:
         _encodable(core, objs, op)
     except CodecError as e:
-        return _ops.Failed(str(e), "codec")
-    return None
+        return [_ops.Failed(str(e), "codec")] * core.size
+    return objs
 
 
 _NO_ARGS: tuple[Any, ...] = ()
@@ -164,14 +176,14 @@ def _spec_barrier(core: Core) -> Call:
 
 
 # In a data-only group a call may carry a rank's failure to encode its object (see
-# _unsendable): its result is then checked (Call.reduces) and the failure raised everywhere.
+# _sendable): its result is then checked (Call.reduces) and the failure raised everywhere.
 
 
 def _spec_broadcast(core: Core, obj: Any, src: int) -> Call:
     root = _rank_arg(core, src, "src", "broadcast")
     checked = core.codec == w.MSGPACK
     if checked and core.rank == root:
-        obj = _unsendable(core, [obj], "broadcast") or obj
+        obj = _sendable(core, obj, "broadcast")
     # only the root knows the payload; every rank must pick the same plan, so the size
     # test cannot depend on it: the small-world variant is flat whatever the size
     return _new_call(Call, ("broadcast", choose("broadcast", core.size), (obj, root),
@@ -182,7 +194,7 @@ def _spec_gather(core: Core, obj: Any, dst: int) -> Call:
     root = _rank_arg(core, dst, "dst", "gather")
     checked = core.codec == w.MSGPACK
     if checked:
-        obj = _unsendable(core, [obj], "gather") or obj
+        obj = _sendable(core, obj, "gather")
     return Call("gather", choose("gather", core.size), (obj, root), w.OP_CODE["gather"], root,
                 checked)
 
@@ -190,7 +202,7 @@ def _spec_gather(core: Core, obj: Any, dst: int) -> Call:
 def _spec_all_gather(core: Core, obj: Any) -> Call:
     checked = core.codec == w.MSGPACK
     if checked:
-        obj = _unsendable(core, [obj], "all_gather") or obj
+        obj = _sendable(core, obj, "all_gather")
     return _new_call(Call, ("all_gather", choose("all_gather", core.size), (obj,),
                             _ALL_GATHER, w.NO_ROOT, checked))
 
@@ -200,9 +212,7 @@ def _spec_scatter(core: Core, objs: Any, src: int) -> Call:
     mine = _per_rank(core, objs, "scatter") if core.rank == root else None
     checked = core.codec == w.MSGPACK
     if checked and mine is not None:
-        bad = _unsendable(core, mine, "scatter")
-        if bad is not None:
-            mine = [bad] * core.size
+        mine = _sendable_each(core, mine, "scatter")
     return Call("scatter", choose("scatter", core.size), (mine, root), w.OP_CODE["scatter"],
                 root, checked)
 
@@ -248,9 +258,7 @@ def _spec_all_to_all(core: Core, objs: Any) -> Call:
     mine = _per_rank(core, objs, "all_to_all")
     checked = core.codec == w.MSGPACK
     if checked:
-        bad = _unsendable(core, mine, "all_to_all")
-        if bad is not None:
-            mine = [bad] * core.size
+        mine = _sendable_each(core, mine, "all_to_all")
     return Call("all_to_all", _plans.all_to_all, (mine,), w.OP_CODE["all_to_all"],
                 w.NO_ROOT, checked)
 

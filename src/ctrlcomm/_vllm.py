@@ -13,6 +13,7 @@ import os
 import socket as _socket
 from typing import Any
 
+from . import _plans
 from ._core import run_sync
 from ._errors import InvalidArgumentError
 from ._group import Group, _rank_arg
@@ -113,7 +114,7 @@ class StatelessProcessGroup:
         what = f"broadcast_obj(src={src})"
         if self.rank != src:
             return run_sync(c, c.recv(src, _BCAST_TAG, None, what))
-        others = tuple(r for r in range(self.world_size) if r != src)
+        others = _plans._others(self.world_size, src)
         if others:
             run_sync(c, c.send(obj, others, _BCAST_TAG, None, what))
         else:
