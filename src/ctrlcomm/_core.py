@@ -392,6 +392,7 @@ class Core:
         self._recent[seq % RECENT] = (seq, opcode, root)
         t = self.timeout if timeout is None else timeout
         deadline = _monotonic() + t
+        probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in _wait
         box = self.box
         ep = self.ep
         try:
@@ -437,7 +438,15 @@ class Core:
                         missing = list(recvs)
                     if self.state == "broken":
                         raise self.cause  # type: ignore[misc]
-                    yield self._wait(missing, deadline, t, name, seq)
+                    now = _monotonic()
+                    if now < probe_at and now < self._live_until and not self.gone \
+                            and not self.suspects and not self.paused:
+                        # what _wait answers in the usual case, without its call: nobody
+                        # lost or suspect, no deadline or probe due yet
+                        self.waiting_for = missing
+                        yield min(probe_at, self._live_until) - now
+                    else:
+                        yield self._wait(missing, deadline, t, name, seq)
                     if self._deferred or ep.closed:
                         self.pump()  # does what close() or abort() asked; raises if closed
                     ep.drain(self._sink)

@@ -168,11 +168,9 @@ _BROADCAST, _ALL_GATHER = w.OP_CODE["broadcast"], w.OP_CODE["all_gather"]
 
 @functools.lru_cache(maxsize=64)
 def _barrier_call(size: int) -> Call:
+    """The Call of every barrier of a world size (called from the methods: a cache hit runs
+    no Python)."""
     return Call("barrier", choose("barrier", size), _NO_ARGS, w.OP_CODE["barrier"])
-
-
-def _spec_barrier(core: Core) -> Call:
-    return _barrier_call(core.size)  # the same for every barrier of a world size
 
 
 # In a data-only group a call may carry a rank's failure to encode its object (see
@@ -217,7 +215,9 @@ def _spec_scatter(core: Core, objs: Any, src: int) -> Call:
                 root, checked)
 
 
-_NAMED_REDUCTIONS: dict[tuple[str, str], tuple[Callable[[Any, Any], Any], int]] = {}
+# (call name, named op) -> combine function, opcode, the number types the op takes unchecked
+_NAMED_REDUCTIONS: dict[tuple[str, str],
+                        tuple[Callable[[Any, Any], Any], int, frozenset[type]]] = {}
 
 
 def _reduction(core: Core, name: str, obj: Any, op: Any
@@ -230,9 +230,14 @@ def _reduction(core: Core, name: str, obj: Any, op: Any
     if named is None:
         combine = _ops.combiner(op, name, core.rank)  # (an unknown op raises here)
         red = len(_ops.NAMED_OPS) + 1 if callable(op) else _ops.NAMED_OPS.index(op) + 1
-        named = combine, w.OP_CODE[name] | (red << 4)
+        named = combine, w.OP_CODE[name] | (red << 4), _ops.plain_types(op)
         if type(op) is str:
             _NAMED_REDUCTIONS[(name, op)] = named
+    else:  # the usual operand, a number or a few, passes here (no call of check_operand)
+        plain, t = named[2], type(obj)
+        if (t in plain or (t is tuple or t is list) and len(obj) <= 16
+                and plain.issuperset(map(type, obj))) and core.codec != w.MSGPACK:
+            return named[0], named[1], obj
     try:
         _ops.check_operand(op, obj, name, core.rank)
         if core.codec == w.MSGPACK:
@@ -688,7 +693,7 @@ class Group:
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""
-        _run_sync(self._core, _spec_barrier(self._core), timeout)
+        _run_sync(self._core, _barrier_call(self._core.size), timeout)
 
     def broadcast(self, obj: Any, src: int = 0, *, timeout: float | None = None) -> Any:
         """``src``'s ``obj`` on every rank (``obj`` is ignored elsewhere)."""
@@ -786,7 +791,7 @@ class AioGroup:
         return self._core.size
 
     async def barrier(self, *, timeout: float | None = None) -> None:
-        await _run_async(self._core, _spec_barrier(self._core), timeout)
+        await _run_async(self._core, _barrier_call(self._core.size), timeout)
 
     async def broadcast(self, obj: Any, src: int = 0, *, timeout: float | None = None) -> Any:
         return await _run_async(self._core, _spec_broadcast(self._core, obj, src), timeout)

@@ -10,6 +10,7 @@ pattern of the collective (the group stays in step) and then raises the same err
 
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
 from collections.abc import Callable
@@ -132,21 +133,25 @@ def resolve(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:
     return combine
 
 
+def plain_types(op: Op) -> frozenset[type]:
+    """The number types a named op reduces as they are (what :func:`check_operand` lets
+    through without looking further, alone or as the items of a short list or tuple); none
+    for a callable."""
+    if callable(op):
+        return frozenset()
+    return frozenset((int, bool) if op in ("band", "bor") else (int, bool, float))
+
+
 def check_operand(op: Op, value: Any, opname: str, rank: int) -> None:
     """Reject, before anything is sent, a local value a named op cannot reduce."""
     if callable(op):
         return
     integral = op in ("band", "bor")
-    plain = (int, bool) if integral else (int, bool, float)
+    plain = plain_types(op)
     t = type(value)
-    if t in plain:
-        return  # the common case: a number, or (below) a few, nothing more to check
-    if (t is list or t is tuple) and len(value) <= 16:
-        for x in value:
-            if type(x) not in plain:
-                break
-        else:
-            return
+    if t in plain or (t is list or t is tuple) and len(value) <= 16 \
+            and plain.issuperset(map(type, value)):
+        return  # the common case: a number or a few, nothing more to check
 
     def walk(v: Any) -> None:
         if type(v) in plain:  # the common case, without the slower ABC checks below
@@ -187,14 +192,16 @@ def safe(combine: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
 
 
 # The named ops over flat lists/tuples of plain numbers (the usual operand: a few ints), with
-# no Python call per element; the same results as _elementwise with the op's leaf.
-_FLAT: dict[str, Callable[[Any, Any], list[Any]]] = {
-    "sum": lambda a, b: list(map(operator.add, a, b)),
-    "prod": lambda a, b: list(map(operator.mul, a, b)),
+# no Python call per element: each gives an iterable of the results (a map built in C where
+# the op is one of operator's; max and min keep the first of equals, and _maximum's and
+# _minimum's answer for NaN); the same results as _elementwise with the op's leaf.
+_FLAT: dict[str, Callable[[Any, Any], Any]] = {
+    "sum": functools.partial(map, operator.add),
+    "prod": functools.partial(map, operator.mul),
     "max": lambda a, b: [x if x >= y else y for x, y in zip(a, b, strict=True)],
     "min": lambda a, b: [x if x <= y else y for x, y in zip(a, b, strict=True)],
-    "band": lambda a, b: list(map(operator.and_, a, b)),
-    "bor": lambda a, b: list(map(operator.or_, a, b)),
+    "band": functools.partial(map, operator.and_),
+    "bor": functools.partial(map, operator.or_),
 }
 
 
@@ -211,19 +218,11 @@ def combiner(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:
     def named(a: Any, b: Any) -> Any:
         ta = type(a)
         if (ta is list or ta is tuple) and type(b) is ta and len(a) == len(b):
-            for x in a:
-                if type(x) not in plain:
-                    break
-            else:
-                for y in b:
-                    if type(y) not in plain:
-                        break
-                else:
-                    try:
-                        out = flat(a, b)
-                    except Exception as e:  # e.g. a huge int times a float: overflow
-                        return Failed(f"{type(e).__name__}: {e}")
-                    return out if ta is list else ta(out)
+            if plain.issuperset(map(type, a)) and plain.issuperset(map(type, b)):
+                try:
+                    return ta(flat(a, b))
+                except Exception as e:  # e.g. a huge int times a float: overflow
+                    return Failed(f"{type(e).__name__}: {e}")
         elif ta in plain and type(b) in plain:
             try:
                 return leaf(a, b)

@@ -68,7 +68,7 @@ def _ceil_log2(n: int) -> int:
 
 def barrier(ctx: Ctx) -> Plan:
     n, r = ctx.size, ctx.rank
-    for k in range(_ceil_log2(n)):
+    for k in range((n - 1).bit_length()):  # ceil(log2(n)) rounds
         d = 1 << k
         yield Step(k, (((r + d) % n, None),), ((r - d) % n,))
     return None

@@ -774,10 +774,25 @@ class TcpEndpoint:
     def send_framed(self, dsts: Sequence[int], data: bytes) -> None:
         """Queue ``data``, a message in the stream framing already (:func:`w.stream_message`),
         for each of ``dsts``."""
-        parts = [data]
         total = len(data)
+        out = self.out
         for dst in dsts:
-            self._send_parts(dst, parts, total)
+            # the usual case here, without a call of _send_parts per destination (a root's
+            # fan-out makes one per rank): a connection made, nothing queued on it, the
+            # whole message taken at once; anything else takes the general path, which also
+            # says what a failed send means (the error comes again: nothing was sent)
+            c = out.get(dst)
+            if c is not None and not c.pending and not c.connecting:
+                try:
+                    n = c.sock.send(data)
+                except OSError:
+                    n = 0
+                if n == total:
+                    continue
+                if n:
+                    self._queue(c, [data], n)
+                    continue
+            self._send_parts(dst, [data], total)
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""
@@ -922,53 +937,21 @@ class TcpEndpoint:
             self.inbound += 1
             self._register(c, select.EPOLLIN)
 
-    def _read(self, c: _Conn, sink: Callable[[w.Message | None], int | None]) -> int:
-        n = budget = 0
-        dec = c.decoder
-        assert dec is not None
-        view, buf = self._rview, self._rbuf
-        recv_into = c.sock.recv_into
-        while budget < READ_BUDGET:
-            try:
-                got = recv_into(view)
-            except (BlockingIOError, InterruptedError):
-                return n
-            except OSError as e:
-                self._lose(c, f"connection failed: {e.strerror or e}")
-                return n
-            if not got:
-                self._lose(c, "connection closed")
-                return n
-            budget += got
-            try:
-                msgs = dec.messages(buf, got, self.key)
-            except WireError:
-                self._count("malformed_stream")
-                self._drop_conn(c)
-                return n
-            n += len(msgs)
-            if c.rank is not None:
-                for m in msgs:
-                    sink(m)
-            else:  # a new connection: its first good message says which peer sends on it
-                for m in msgs:
-                    src = sink(m)
-                    if src is not None and c.rank is None:
-                        if any(o.inbound and o.rank == src for o in self.conns.values()):
-                            # each peer sends on one connection: a second one claiming the
-                            # same rank is a replay or an impostor, and its end must not
-                            # mean a loss
-                            self._count("duplicate_source")
-                            self._drop_conn(c)
-                            return n
-                        c.rank = src
-            if dec.error is not None:
-                self._count("malformed_stream")
-                self._drop_conn(c)
-                return n
-            if got < READ_CHUNK or c.paused:
-                return n
-        return n
+    def _identify(self, c: _Conn, msgs: list[w.Message | None],
+                  sink: Callable[[w.Message | None], int | None]) -> bool:
+        """Hand the messages of a new connection to ``sink``; its first good one says which
+        peer sends on it. False if the connection was dropped: each peer sends on one
+        connection, and a second one claiming the same rank is a replay or an impostor
+        (whose end must not mean a loss)."""
+        for m in msgs:
+            src = sink(m)
+            if src is not None and c.rank is None:
+                if any(o.inbound and o.rank == src for o in self.conns.values()):
+                    self._count("duplicate_source")
+                    self._drop_conn(c)
+                    return False
+                c.rank = src
+        return True
 
     def drain(self, sink: Callable[[w.Message | None], int | None]) -> int:
         """Handle every ready socket now; hand each whole message to ``sink``, decoded
@@ -978,6 +961,7 @@ class TcpEndpoint:
             raise e
         n = 0
         lfds = self._lfds
+        view, buf, key = self._rview, self._rbuf, self.key
         ready, self._ready = self._ready, None
         for fd, ev in ready if ready is not None else self.ep.poll(0):
             if fd in lfds:
@@ -990,7 +974,43 @@ class TcpEndpoint:
             if c is None:
                 continue
             if c.inbound:
-                n += self._read(c, sink)
+                # read it, here rather than in a method: a root wakes with one ready
+                # socket per rank, and a call per socket is paid with caches its peers
+                # have emptied
+                dec = c.decoder
+                assert dec is not None
+                recv_into = c.sock.recv_into
+                budget = 0
+                while budget < READ_BUDGET:
+                    try:
+                        got = recv_into(view)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError as e:
+                        self._lose(c, f"connection failed: {e.strerror or e}")
+                        break
+                    if not got:
+                        self._lose(c, "connection closed")
+                        break
+                    budget += got
+                    try:
+                        msgs = dec.messages(buf, got, key)
+                    except WireError:
+                        self._count("malformed_stream")
+                        self._drop_conn(c)
+                        break
+                    n += len(msgs)
+                    if c.rank is not None:
+                        for m in msgs:
+                            sink(m)
+                    elif not self._identify(c, msgs, sink):
+                        break
+                    if dec.error is not None:
+                        self._count("malformed_stream")
+                        self._drop_conn(c)
+                        break
+                    if got < READ_CHUNK or c.paused:
+                        break
                 continue
             if c.connecting and ev & (select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP):
                 err = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)

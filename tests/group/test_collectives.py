@@ -213,3 +213,19 @@ def test_same_name_can_be_formed_again_on_one_store():
     from ctrlcomm.testing import free_port, run_ranks
 
     assert run_ranks(reuse_name_after_formation, 3, free_port()) == [[0, 3, 6]] * 3
+
+
+def root_runs_ahead(g, n):
+    import time
+
+    if g.rank == 0:  # sends until the kernel's buffers are full, then queues: must keep order
+        for i in range(n):
+            g.broadcast({"i": i, "pad": "y" * 40})
+        return n
+    time.sleep(1.0)
+    return [g.broadcast(None)["i"] for _ in range(n)] == list(range(n))
+
+
+@pytest.mark.parametrize("size", [2, 3])  # one TCP connection per peer; Unix sockets
+def test_broadcasts_of_a_root_far_ahead_of_its_receivers_arrive_whole_and_in_order(size):
+    assert run_group(root_runs_ahead, size, 30000, timeout=120) == [30000] + [True] * (size - 1)
