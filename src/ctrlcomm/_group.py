@@ -297,16 +297,25 @@ def _reduced(call: Call, core: Core, r: Any) -> Any:
     return r
 
 
+# the types of a result or operand that may be or hold a failure (see _reduced): anything
+# else is returned without a call of _reduced
+_MAY_FAIL = frozenset({_ops.Failed, list})
+
+
 def _run_sync(core: Core, call: Call, timeout: float | None) -> Any:
     r = run_sync(core, core.collective(call, None if timeout is None
                                        else _timeout_arg(timeout, call.name)))
-    return _reduced(call, core, r) if call.reduces else r
+    if call.reduces and (type(r) in _MAY_FAIL or type(call.args[0]) in _MAY_FAIL):
+        return _reduced(call, core, r)
+    return r
 
 
 async def _run_async(core: Core, call: Call, timeout: float | None) -> Any:
     r = await run_async(core, core.collective(call, None if timeout is None
                                               else _timeout_arg(timeout, call.name)))
-    return _reduced(call, core, r) if call.reduces else r
+    if call.reduces and (type(r) in _MAY_FAIL or type(call.args[0]) in _MAY_FAIL):
+        return _reduced(call, core, r)
+    return r
 
 
 # ------------------------------------------------------------------------ store hosting
