@@ -777,22 +777,22 @@ class TcpEndpoint:
         total = len(data)
         out = self.out
         for dst in dsts:
-            # the usual case here, without a call of _send_parts per destination (a root's
-            # fan-out makes one per rank): a connection made, nothing queued on it, the
-            # whole message taken at once; anything else takes the general path, which also
-            # says what a failed send means (the error comes again: nothing was sent)
+            # what _send_parts does, without a call of it per destination (a root's fan-out
+            # makes one per rank) where a connection is made and nothing is queued on it
             c = out.get(dst)
-            if c is not None and not c.pending and not c.connecting:
-                try:
-                    n = c.sock.send(data)
-                except OSError:
-                    n = 0
-                if n == total:
-                    continue
-                if n:
-                    self._queue(c, [data], n)
-                    continue
-            self._send_parts(dst, [data], total)
+            if c is None or c.pending or c.connecting:
+                self._send_parts(dst, [data], total)
+                continue
+            try:
+                n = c.sock.send(data)
+            except BlockingIOError:
+                n = 0
+            except OSError as e:  # the first report of a reset says so; a retry would not
+                if c.sock.fileno() >= 0:  # (else lost before: the core knows)
+                    self._lose(c, f"send failed: {e.strerror or e}")
+                continue
+            if n < total:
+                self._queue(c, [data], n)
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""

@@ -4,6 +4,7 @@ import asyncio
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -296,3 +297,41 @@ def closes_with_a_call_left_in_a_stopped_loop(rank, size, port):
 def test_close_takes_effect_even_if_a_call_holding_the_group_never_resumes(store):
     closed, (msg, took) = run_ranks(closes_with_a_call_left_in_a_stopped_loop, 2, store.port)
     assert closed and "closed the group" in msg and took < 2.5, (closed, msg, took)
+
+
+@pytest.mark.parametrize("path", ["send_framed", "send_many"])  # small and general messages
+def test_a_send_on_a_connection_the_peer_reset_reports_the_reset(path, monkeypatch):
+    import struct
+
+    from ctrlcomm._transport import TcpEndpoint
+
+    monkeypatch.setenv("CTRLCOMM_LOCAL_SOCKETS", "0")  # plain TCP
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    lost = []
+    ep = TcpEndpoint("127.0.0.1", on_lost=lambda r, why, certain: lost.append((r, why)))
+    try:
+        ep.set_peers({1: f"tcp://127.0.0.1:{srv.getsockname()[1]}"})
+
+        def send():
+            if path == "send_framed":
+                ep.send_framed([1], b"x" * 100)
+            else:
+                ep.send_many([1], [b"x" * 100])
+
+        send()
+        peer, _ = srv.accept()
+        deadline = time.monotonic() + 5
+        while ep.unflushed and time.monotonic() < deadline:  # connected, sent
+            ep.wait(0.05)
+            ep.drain(lambda m: None)
+        assert peer.recv(1000)
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()  # a reset
+        time.sleep(0.2)
+        send()
+        assert lost == [(1, "send failed: Connection reset by peer")]
+    finally:
+        ep.close()
+        srv.close()
