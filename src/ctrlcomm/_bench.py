@@ -6,7 +6,8 @@ untimed barrier, as OSU does, so one iteration cannot overlap the next. A figure
 per iteration as the slowest rank's time (when the whole collective is done), then median and
 p99 across iterations; the JSON also gives median and p99 over every rank's time of every
 iteration (``median_all_us``, ``p99_all_us``). CPU time is the process CPU time per op,
-averaged over ranks: with waiting done by sleeping in the kernel it stays well below the
+averaged over ranks (and, in the JSON, each rank's: ``cpu_us_per_rank``,
+``cpu_frac_per_rank``): with waiting done by sleeping in the kernel it stays well below the
 latency.
 
 Systems are registered in :data:`SYSTEMS`; each is a function run in every rank that returns
@@ -290,7 +291,7 @@ def merge(a: list[Results], b: list[Results]) -> list[Results]:
     return out
 
 
-def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, float]]:
+def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, Any]]:
     out = {}
     for key in per_rank[0]:
         runs = [r[key]["times"] for r in per_rank]
@@ -298,6 +299,9 @@ def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, float]
         slowest.sort()
         p99 = slowest[min(len(slowest) - 1, int(0.99 * len(slowest)))]
         every = sorted(t for ts in runs for t in ts)  # each rank's time of each iteration
+        # CPU over wall time of the same calls, per rank: 1.0 would be spinning (or a rank
+        # that never waits, as a broadcast's root)
+        fracs = [r[key]["cpu"] * len(r[key]["times"]) / sum(r[key]["times"]) for r in per_rank]
         out[key] = {
             "median_us": statistics.median(slowest) * 1e6,
             "p99_us": p99 * 1e6,
@@ -306,9 +310,10 @@ def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, float]
             "median_all_us": statistics.median(every) * 1e6,
             "p99_all_us": every[min(len(every) - 1, int(0.99 * len(every)))] * 1e6,
             "cpu_us": statistics.fmean(r[key]["cpu"] for r in per_rank) * 1e6,
-            # CPU over wall time of the same calls, per rank, averaged: 1.0 would be spinning
-            "cpu_frac": statistics.fmean(r[key]["cpu"] * len(r[key]["times"]) / sum(r[key]["times"])
-                                         for r in per_rank),
+            "cpu_frac": statistics.fmean(fracs),
+            # the same two for each rank, in rank order (a root's differ from the others')
+            "cpu_us_per_rank": [r[key]["cpu"] * 1e6 for r in per_rank],
+            "cpu_frac_per_rank": fracs,
         }
     return out
 
@@ -442,7 +447,7 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
         # With --repeat, the systems take turns (a, b, c, a, b, c, ...) and each one's samples
         # are pooled: a slow spell of a shared machine then falls on every system alike.
         got: dict[str, list[Results]] = {}
-        each: dict[str, list[dict[tuple[str, int], dict[str, float]]]] = {s: [] for s in systems}
+        each: dict[str, list[dict[tuple[str, int], dict[str, Any]]]] = {s: [] for s in systems}
         for _ in range(repeat):
             for system in systems:
                 if (system, n) in failed:

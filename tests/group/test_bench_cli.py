@@ -31,6 +31,10 @@ def test_bench_local_with_aio_json_and_comparison(tmp_path):
         # every rank's own time is at most its iteration's slowest
         assert 0 < r["median_all_us"] <= r["median_us"] and r["p99_all_us"] <= r["p99_us"]
         assert 0 <= r["cpu_frac"] <= (os.cpu_count() or 1) + 0.5
+        # and per rank, in rank order: their mean is the figure above
+        for each, mean in (("cpu_us_per_rank", "cpu_us"), ("cpu_frac_per_rank", "cpu_frac")):
+            assert len(r[each]) == r["world_size"] and all(v >= 0 for v in r[each])
+            assert sum(r[each]) / len(r[each]) == pytest.approx(r[mean])
     again = run("--from-json", str(out))
     assert again.returncode == 0 and "barrier" in again.stdout
 
