@@ -233,11 +233,12 @@ def _reduction(core: Core, name: str, obj: Any, op: Any
         named = combine, w.OP_CODE[name] | (red << 4), _ops.plain_types(op)
         if type(op) is str:
             _NAMED_REDUCTIONS[(name, op)] = named
-    else:  # the usual operand, a number or a few, passes here (no call of check_operand)
-        plain, t = named[2], type(obj)
-        if (t in plain or (t is tuple or t is list) and len(obj) <= 16
-                and plain.issuperset(map(type, obj))) and core.codec != w.MSGPACK:
-            return named[0], named[1], obj
+    # the usual operand, a number or a few of the op's plain types, passes here; anything
+    # else is looked at by check_operand (and, in a data-only group, by the codec)
+    plain, t = named[2], type(obj)
+    if (t in plain or (t is tuple or t is list) and len(obj) <= 16
+            and plain.issuperset(map(type, obj))) and core.codec != w.MSGPACK:
+        return named[0], named[1], obj
     try:
         _ops.check_operand(op, obj, name, core.rank)
         if core.codec == w.MSGPACK:

@@ -134,8 +134,8 @@ def resolve(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:
 
 
 def plain_types(op: Op) -> frozenset[type]:
-    """The number types a named op reduces as they are (what :func:`check_operand` lets
-    through without looking further, alone or as the items of a short list or tuple); none
+    """The number types a named op reduces as they are, alone or as the items of a list or
+    tuple (the usual operand, which the caller passes without :func:`check_operand`); none
     for a callable."""
     if callable(op):
         return frozenset()
@@ -148,10 +148,6 @@ def check_operand(op: Op, value: Any, opname: str, rank: int) -> None:
         return
     integral = op in ("band", "bor")
     plain = plain_types(op)
-    t = type(value)
-    if t in plain or (t is list or t is tuple) and len(value) <= 16 \
-            and plain.issuperset(map(type, value)):
-        return  # the common case: a number or a few, nothing more to check
 
     def walk(v: Any) -> None:
         if type(v) in plain:  # the common case, without the slower ABC checks below

@@ -774,25 +774,7 @@ class TcpEndpoint:
     def send_framed(self, dsts: Sequence[int], data: bytes) -> None:
         """Queue ``data``, a message in the stream framing already (:func:`w.stream_message`),
         for each of ``dsts``."""
-        total = len(data)
-        out = self.out
-        for dst in dsts:
-            # what _send_parts does, without a call of it per destination (a root's fan-out
-            # makes one per rank) where a connection is made and nothing is queued on it
-            c = out.get(dst)
-            if c is None or c.pending or c.connecting:
-                self._send_parts(dst, [data], total)
-                continue
-            try:
-                n = c.sock.send(data)
-            except BlockingIOError:
-                n = 0
-            except OSError as e:  # the first report of a reset says so; a retry would not
-                if c.sock.fileno() >= 0:  # (else lost before: the core knows)
-                    self._lose(c, f"send failed: {e.strerror or e}")
-                continue
-            if n < total:
-                self._queue(c, [data], n)
+        self._send_to(dsts, [data], len(data))
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""
@@ -808,28 +790,32 @@ class TcpEndpoint:
             # a small message goes as one buffer (cheaper to send and, queued, to keep)
             parts = [prefix, *frames] if total >= COPY_THRESHOLD \
                 else [b"".join([prefix, *frames])]
-        for dst in dsts:
-            self._send_parts(dst, parts, total)
+        self._send_to(dsts, parts, total)
 
-    def _send_parts(self, dst: int, parts: list[Any], total: int) -> None:
-        c = self.out.get(dst)
-        if c is None:
-            c = self._connect(dst)
-        if c.sock.fileno() < 0:  # lost: the core already knows
-            return
-        if c.pending or c.connecting:
-            self._queue(c, parts, 0)
-            self._register(c, select.EPOLLOUT | select.EPOLLIN)
-            return
-        try:
-            n = c.sock.send(parts[0]) if len(parts) == 1 else c.sock.sendmsg(parts)
-        except BlockingIOError:
-            n = 0
-        except OSError as e:
-            self._lose(c, f"send failed: {e.strerror or e}")
-            return
-        if n < total:
-            self._queue(c, parts, n)
+    def _send_to(self, dsts: Sequence[int], parts: list[Any], total: int) -> None:
+        """Send one message, ``parts`` of ``total`` bytes, to each of ``dsts``: what the
+        kernel takes at once, the rest queued. (The loop is here, not around a call per
+        destination: a root's fan-out has one per rank.)"""
+        out = self.out
+        one = parts[0] if len(parts) == 1 else None
+        for dst in dsts:
+            c = out.get(dst)
+            if c is None:
+                c = self._connect(dst)
+            if c.sock.fileno() < 0:  # lost: the core already knows
+                continue
+            if c.pending or c.connecting:
+                self._queue(c, parts, 0)  # (it asks epoll to say when the socket takes more)
+                continue
+            try:
+                n = c.sock.send(one) if one is not None else c.sock.sendmsg(parts)
+            except BlockingIOError:
+                n = 0
+            except OSError as e:
+                self._lose(c, f"send failed: {e.strerror or e}")
+                continue
+            if n < total:
+                self._queue(c, parts, n)
 
     def _queue(self, c: _Conn, parts: list[Any], skip: int) -> None:
         """Queue ``parts`` but their first ``skip`` bytes (already sent) for ``c``."""
