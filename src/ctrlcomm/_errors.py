@@ -6,7 +6,7 @@
     ├── InvalidArgumentError (also ValueError)   bad input, raised before anything is sent
     ├── CollectiveTimeoutError (also TimeoutError) a deadline passed; names op, seq, missing ranks
     ├── MismatchError                             ranks called different collectives at one point
-    ├── ReductionError (also ValueError)          a reduction failed on some rank (all ranks raise)
+    ├── ReductionError (also ValueError)          a reduction failed (raised where the result goes)
     ├── ConcurrentUseError (also RuntimeError)    a second thread / coroutine entered a busy group
     ├── GroupClosedError                          you closed it
     ├── GroupBrokenError                          a peer, a timeout or an abort broke it
