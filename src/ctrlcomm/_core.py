@@ -50,6 +50,9 @@ PROBE_GRACE = 0.25
 # A peer that closed the connection we send on is declared lost after this many seconds
 # unless its goodbye (or the end of the stream it sends on) explains it first.
 SUSPECT_GRACE = 1.0
+# A silent peer of this host whose process runs (see Heartbeat.running) is looked at again
+# this often while it is waited for.
+RUNNING_RECHECK_S = 0.5
 # Flow control. A rank stops reading a peer that is HOLD_HIGH collective messages ahead, and
 # reads it again at HOLD_LOW; a sender with more than MAX_BACKLOG bytes queued for one peer
 # waits (within its deadline) before it queues more. Memory stays bounded however far a
@@ -195,10 +198,17 @@ class Core:
             if hb is not None and limit is not None:
                 silent = hb.silent_for(s, now)
                 if silent > limit:
+                    hb.catch_up()  # what a long C call of this process kept unread
+                    silent = hb.silent_for(s, now)
+                if silent <= limit:
+                    nxt = min(nxt, now + limit - silent + 0.01)
+                elif hb.running(s):
+                    # a process of this host that runs (a long C call holding its GIL keeps
+                    # its heartbeats in): waited for, until the call's deadline
+                    nxt = min(nxt, now + min(limit, RUNNING_RECHECK_S))
+                else:
                     self.gone[s] = (f"stopped answering heartbeats {silent:.1f} s ago (its "
                                     "process is stopped, hung, or cut off from the network)")
-                else:
-                    nxt = min(nxt, now + limit - silent + 0.01)
         return [s for s in missing if s in self.gone], nxt
 
     # ------------------------------------------------------------------------ receiving

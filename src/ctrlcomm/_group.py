@@ -41,6 +41,8 @@ from ._transport import (
     curve_available,
     local_address_for,
     make_endpoint,
+    proc_address,
+    same_host_procs,
 )
 
 CODECS = {"pickle": w.PICKLE, "msgpack": w.MSGPACK}
@@ -491,7 +493,10 @@ class Group:
                 lost by the ranks waiting for it; ``None`` turns liveness checks off. A peer
                 that dies is noticed sooner, from its closed connection. Heartbeats are sent
                 by a thread, so a rank whose main thread holds the GIL longer than this (one
-                long C call) looks silent too. The default is 5 s, or
+                long C call) falls silent too: a peer on this host (same kernel, network and
+                PID namespace) is then looked up in ``/proc`` and, while its process runs,
+                waited for until the call's deadline; one on another host is lost (set this
+                above your longest GIL-holding call there). The default is 5 s, or
                 ``CTRLCOMM_LIVENESS_TIMEOUT`` (seconds, or ``none``) where it is set, which
                 also reaches groups made for you (``StatelessProcessGroup``,
                 ``AsyncZMQCommunicator``).
@@ -568,13 +573,15 @@ class Group:
                                 name, bind_host)
             ep = make_endpoint(transport, bind_host, zmq_context=zmq_context, encrypt=encrypt)
             hb = Heartbeat(bind_host, 0, rank, key or None, float(heartbeat_interval))
-            # "endpoint udp-port [unix:name@host] [curve:public-key]": this rank's line of the
-            # address table; the optional fields where this host has Unix sockets, or the
-            # group encrypts
+            # "endpoint udp-port [unix:name@host] [curve:public-key] [proc:host:pid:start]":
+            # this rank's line of the address table; the optional fields where this host has
+            # Unix sockets, the group encrypts, or this host has /proc (a silent peer of this
+            # host is looked up there: see Heartbeat.running)
             local = getattr(ep, "local_address", "")
             curve = getattr(ep, "curve_public", b"")
             me = " ".join(filter(None, (ep.address, str(hb.port), local,
-                                        "curve:" + curve.decode() if curve else "")))
+                                        "curve:" + curve.decode() if curve else "",
+                                        proc_address())))
             nonce, table = _rendezvous(store, me, rank, world_size, name, deadline)
             fields = {r: line.split(" ") for r, line in table.items()}
             peers = {r: f[0] for r, f in fields.items()}
@@ -594,7 +601,8 @@ class Group:
             gid = _group_id(name, nonce)
             hb.group_id = gid
             hb.start({r: (_host_of(peers[r]), int(line.split(" ")[1]))
-                      for r, line in table.items() if r != rank})
+                      for r, line in table.items() if r != rank},
+                     same_host_procs(extra("proc:")))
             core = Core(name=name, rank=rank, size=world_size, group_id=gid,
                         endpoint=ep, codec=CODECS[codec], key=key or None, timeout=t,
                         heartbeat=hb,

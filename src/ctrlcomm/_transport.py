@@ -596,6 +596,50 @@ def host_id() -> str:
 _host_id: str | None = None
 
 
+def _proc_stat(path: str) -> list[bytes]:
+    """The fields of a ``/proc/.../stat`` file after the command name: state first, then
+    ppid..., the start time at index 19 (raises OSError, ValueError)."""
+    with open(path, "rb") as f:
+        st = f.read()
+    return st[st.rindex(b")") + 2:].split()
+
+
+def proc_address() -> str:
+    """This process as same-host peers can look it up in ``/proc``:
+    ``proc:HOST:PID:START``, where HOST names the kernel, network and PID namespace and user
+    (``host_id`` and the PID namespace: there a pid means this process) and START is its
+    start time, which a later process reusing the pid does not share. Empty where there is
+    no ``/proc``."""
+    hid = host_id()
+    if not hid:
+        return ""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+        start = int(_proc_stat("/proc/self/stat")[19])
+    except (OSError, ValueError, IndexError):
+        return ""
+    key = hashlib.blake2b(f"{hid}/{pidns}".encode(), digest_size=8).hexdigest()
+    return f"proc:{key}:{os.getpid()}:{start}"
+
+
+def same_host_procs(addresses: dict[int, str]) -> dict[int, tuple[int, int]]:
+    """``{rank: (pid, start time)}`` of the peers whose :func:`proc_address` (``addresses``:
+    ``{rank: "proc:..."}``) says they are processes this one can look up in ``/proc``."""
+    mine = proc_address()
+    if not mine:
+        return {}
+    key = mine.split(":")[1]
+    out = {}
+    for r, a in addresses.items():
+        parts = a.split(":")
+        if len(parts) == 4 and parts[0] == "proc" and parts[1] == key and a != mine:
+            try:
+                out[r] = (int(parts[2]), int(parts[3]))
+            except ValueError:
+                continue
+    return out
+
+
 def _local_mode() -> str:
     """``CTRLCOMM_LOCAL_SOCKETS``: "auto" (default), "1" (always) or "0" (never)."""
     mode = os.environ.get("CTRLCOMM_LOCAL_SOCKETS", "auto").strip().lower()
@@ -1256,6 +1300,12 @@ class Heartbeat:
     held, or cut off from the network falls silent. The cost is one datagram per peer per
     interval and one wake-up per interval.
 
+    The thread needs the GIL: while a long C call holds it, the process sends nothing and
+    reads nothing. Two things keep that from being taken for a lost peer: a check reads the
+    heartbeats waiting in the socket first (:meth:`catch_up`), and a silent peer on this host
+    (the same kernel, network and PID namespace) whose process runs (a thread on a CPU, or
+    waiting for one) is not lost: a stopped, exited or sleeping one is (:meth:`running`).
+
     Datagram: group id (8 bytes), sender rank (4 bytes), then a MAC of those when the group
     has a key (a forged heartbeat could otherwise hide a dead peer).
     """
@@ -1269,7 +1319,9 @@ class Heartbeat:
         self.sock.bind((bind_host, 0))
         self.port = int(self.sock.getsockname()[1])
         self.group_id, self.rank, self.key, self.interval = group_id, rank, key, interval
+        self.sock.settimeout(interval)  # (non-blocking at the OS level: see catch_up)
         self.peers: dict[int, tuple[str, int]] = {}
+        self.procs: dict[int, tuple[int, int]] = {}  # same-host peers: (pid, start time)
         self.last_seen: dict[int, float] = {}
         self.dropped = 0
         self._stop = threading.Event()
@@ -1279,8 +1331,12 @@ class Heartbeat:
         assert self.key is not None
         return hashlib.blake2b(b"hb" + body, key=self.key, digest_size=16).digest()
 
-    def start(self, peers: dict[int, tuple[str, int]]) -> None:
+    def start(self, peers: dict[int, tuple[str, int]],
+              procs: dict[int, tuple[int, int]] | None = None) -> None:
+        """Start beating to ``peers`` (``{rank: (host, udp port)}``); ``procs``: the
+        same-host ones' ``(pid, start time)`` (:func:`same_host_procs`)."""
         self.peers = dict(peers)
+        self.procs = dict(procs or {})
         now = time.monotonic()
         self.last_seen = dict.fromkeys(peers, now)  # grace: a new group counts as seen
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -1324,6 +1380,44 @@ class Heartbeat:
             self.dropped += 1
             return
         self.last_seen[src] = time.monotonic()
+
+    def catch_up(self) -> None:
+        """Read the heartbeats waiting in the socket now. The thread reads them too, but not
+        while a long C call of this process held the GIL: they wait in the socket then, and a
+        check right after that call would find every peer silent."""
+        fd = self.sock.fileno()
+        while fd >= 0:
+            try:
+                # os.read, not recv: a socket with a timeout polls before it reads, and the
+                # thread may take the datagram in between (the descriptor is non-blocking)
+                data = os.read(fd, 64)
+            except OSError:  # none left (EAGAIN), or closed
+                return
+            self._accept(data)
+
+    def running(self, rank: int) -> bool:
+        """Whether silent peer ``rank`` is a process of this host that runs: a thread of it on
+        a CPU or waiting for one (``R`` in ``/proc``), as while one long C call holds its GIL
+        and so keeps its heartbeat thread from sending. False for a peer elsewhere, and for
+        a process that is stopped (SIGSTOP), has exited or sleeps (every thread waiting,
+        the heartbeat thread too: hung)."""
+        p = self.procs.get(rank)
+        if p is None:
+            return False
+        pid, start = p
+        try:
+            if int(_proc_stat(f"/proc/{pid}/stat")[19]) != start:
+                return False  # that process is gone; another has its pid
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except (OSError, ValueError, IndexError):
+            return False
+        for t in tasks:
+            try:
+                if _proc_stat(f"/proc/{pid}/task/{t}/stat")[0] == b"R":
+                    return True
+            except (OSError, ValueError, IndexError):
+                continue
+        return False
 
     def silent_for(self, rank: int, now: float) -> float:
         """Seconds since ``rank`` was last heard from (0 for unknown ranks)."""

@@ -161,6 +161,132 @@ def test_an_idle_but_alive_peer_is_waited_for(store):
     assert run_ranks(idle_peer_is_not_lost, 2, store.port) == [2, 2]
 
 
+def _hold_gil(seconds):
+    """One C call that holds the GIL for about ``seconds`` (sum over a range: no Python runs,
+    so no other thread of this process does either)."""
+    t = time.perf_counter()
+    sum(range(1_000_000))
+    n = int(seconds / max(time.perf_counter() - t, 1e-6) * 1_000_000)
+    t = time.monotonic()
+    sum(range(n))
+    return time.monotonic() - t
+
+
+def gil_held_by_peer(rank, size, port, how):
+    g = _group(rank, size, port, liveness_timeout=1.0, heartbeat_interval=0.2)
+    g.barrier()
+    held = None
+    if rank == 1:
+        if how == "running":
+            held = _hold_gil(3.0)
+        else:  # asleep with the GIL held, every thread waiting: hung
+            import ctypes
+
+            t = time.monotonic()
+            ctypes.PyDLL(None).usleep(3_000_000)  # a PyDLL call keeps the GIL
+            held = time.monotonic() - t
+    t = time.monotonic()
+    try:
+        got = g.all_reduce(rank + 1)
+    except ctrlcomm.GroupBrokenError as e:
+        got = e
+    took = time.monotonic() - t
+    if rank == 1 and how == "asleep":
+        # it may complete that call (rank 0's part came before rank 0 gave up on it); the
+        # group is broken all the same, as the next call says
+        try:
+            got = got, g.barrier(timeout=10)
+        except ctrlcomm.GroupBrokenError as e:
+            got = got, e
+    return got, held, took
+
+
+def test_a_peer_of_this_host_running_a_long_c_call_that_holds_the_gil_is_waited_for(store):
+    # its heartbeat thread cannot send meanwhile: it is silent for three liveness timeouts,
+    # but its process runs; and its own check afterwards reads the heartbeats that waited
+    (got0, _, waited), (got1, held, _) = run_ranks(gil_held_by_peer, 2, store.port,
+                                                   "running", timeout=60)
+    print(f"GIL held {held:.1f} s by rank 1 (liveness_timeout=1): rank 0 waited {waited:.1f} s")
+    assert held > 2.0, held
+    assert got0 == got1 == 3, (got0, got1)
+    assert waited > 2.0, waited
+
+
+def test_a_peer_of_this_host_asleep_with_the_gil_held_is_lost(store):
+    (got0, _, waited), (got1, held, _) = run_ranks(gil_held_by_peer, 2, store.port,
+                                                   "asleep", timeout=60)
+    print(f"rank 1 asleep {held:.1f} s with the GIL held: rank 0 raised after {waited:.1f} s")
+    assert isinstance(got0, ctrlcomm.PeerLostError) and got0.ranks == [1], got0
+    assert "heartbeats" in str(got0)
+    assert 0.9 < waited < 2.9, waited
+    assert isinstance(got1[1], ctrlcomm.GroupBrokenError), got1
+
+
+def _state(pid):
+    from ctrlcomm._transport import _proc_stat
+
+    return _proc_stat(f"/proc/{pid}/stat")[0]
+
+
+def test_running_tells_a_busy_process_from_a_stopped_sleeping_exited_or_other_one():
+    from ctrlcomm._transport import Heartbeat, _proc_stat, proc_address, same_host_procs
+
+    hb = Heartbeat("127.0.0.1", 1, 0, None, 1.0)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    asleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 10
+        while (_state(busy.pid), _state(asleep.pid)) != (b"R", b"S"):  # started, settled
+            assert time.monotonic() < deadline, (_state(busy.pid), _state(asleep.pid))
+            time.sleep(0.05)
+        start = {p.pid: int(_proc_stat(f"/proc/{p.pid}/stat")[19]) for p in (busy, asleep, done)}
+        done.wait(10)
+        hb.procs = {1: (busy.pid, start[busy.pid]), 2: (asleep.pid, start[asleep.pid]),
+                    3: (busy.pid, start[busy.pid] + 1), 4: (done.pid, start[done.pid])}
+        assert hb.running(1)
+        assert not hb.running(2)  # every thread asleep
+        assert not hb.running(3)  # another start time: that process is gone, the pid reused
+        assert not hb.running(4)  # exited
+        assert not hb.running(5)  # not a process of this host
+        os.kill(busy.pid, signal.SIGSTOP)
+        while _state(busy.pid) != b"T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not hb.running(1)  # stopped
+    finally:
+        for p in (busy, asleep):
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(10)
+        hb.sock.close()
+    # what a rank publishes: only a process of this host, PID namespace and user matches
+    me = proc_address()
+    key, pid, _ = me.split(":")[1:]
+    assert int(pid) == os.getpid()
+    assert same_host_procs({0: me, 1: f"proc:{key}:42:7", 2: "proc:0000000000000000:42:7",
+                            3: "proc:bad"}) == {1: (42, 7)}
+
+
+def test_catch_up_reads_the_heartbeats_waiting_in_the_socket_without_waiting():
+    from ctrlcomm._transport import Heartbeat
+
+    a, b = (Heartbeat("127.0.0.1", 7, r, None, 5.0) for r in (0, 1))
+    try:
+        b.peers, b.last_seen = {0: ("127.0.0.1", a.port)}, {0: 0.0}  # thread not started
+        for _ in range(5):
+            a.sock.sendto(Heartbeat.FMT.pack(7, 0), ("127.0.0.1", b.port))
+        time.sleep(0.1)
+        t = time.monotonic()
+        b.catch_up()
+        assert b.last_seen[0] >= t
+        t = time.monotonic()
+        b.catch_up()  # nothing waiting: returns at once, not after the socket's 5 s timeout
+        assert time.monotonic() - t < 1.0
+    finally:
+        a.sock.close()
+        b.sock.close()
+
+
 @pytest.mark.parametrize("n", [2])
 def test_heartbeats_cost_no_busy_cpu(store, n):
     res = run_ranks(_idle_cpu, n, store.port)
