@@ -51,8 +51,12 @@ PROBE_GRACE = 0.25
 # unless its goodbye (or the end of the stream it sends on) explains it first.
 SUSPECT_GRACE = 1.0
 # A silent peer of this host whose process runs (see Heartbeat.running) is looked at again
-# this often while it is waited for.
+# this often while it is waited for (sooner after a first look that was not sure), and is
+# waited for while silent for up to RUNNING_LIMIT times liveness_timeout (a minute by
+# default: a long C call holding its GIL; a thread that spins in a hung process looks the same).
 RUNNING_RECHECK_S = 0.5
+RUNNING_UNSURE_S = 0.1
+RUNNING_LIMIT = 12
 # Flow control. A rank stops reading a peer that is HOLD_HIGH collective messages ahead, and
 # reads it again at HOLD_LOW; a sender with more than MAX_BACKLOG bytes queued for one peer
 # waits (within its deadline) before it queues more. Memory stays bounded however far a
@@ -202,10 +206,14 @@ class Core:
                     silent = hb.silent_for(s, now)
                 if silent <= limit:
                     nxt = min(nxt, now + limit - silent + 0.01)
-                elif hb.running(s):
+                    continue
+                runs = hb.running(s) if silent <= RUNNING_LIMIT * limit else False
+                if runs:
                     # a process of this host that runs (a long C call holding its GIL keeps
-                    # its heartbeats in): waited for, until the call's deadline
+                    # its heartbeats in): waited for a while longer
                     nxt = min(nxt, now + min(limit, RUNNING_RECHECK_S))
+                elif runs is None:  # not sure yet
+                    nxt = min(nxt, now + RUNNING_UNSURE_S)
                 else:
                     self.gone[s] = (f"stopped answering heartbeats {silent:.1f} s ago (its "
                                     "process is stopped, hung, or cut off from the network)")

@@ -495,8 +495,9 @@ class Group:
                 by a thread, so a rank whose main thread holds the GIL longer than this (one
                 long C call) falls silent too: a peer on this host (same kernel, network and
                 PID namespace) is then looked up in ``/proc`` and, while its process runs,
-                waited for until the call's deadline; one on another host is lost (set this
-                above your longest GIL-holding call there). The default is 5 s, or
+                waited for up to twelve times this (within the call's deadline); one on
+                another host is lost (set this above your longest GIL-holding call there).
+                The default is 5 s, or
                 ``CTRLCOMM_LIVENESS_TIMEOUT`` (seconds, or ``none``) where it is set, which
                 also reaches groups made for you (``StatelessProcessGroup``,
                 ``AsyncZMQCommunicator``).

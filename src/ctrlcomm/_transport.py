@@ -1303,8 +1303,8 @@ class Heartbeat:
     The thread needs the GIL: while a long C call holds it, the process sends nothing and
     reads nothing. Two things keep that from being taken for a lost peer: a check reads the
     heartbeats waiting in the socket first (:meth:`catch_up`), and a silent peer on this host
-    (the same kernel, network and PID namespace) whose process runs (a thread on a CPU, or
-    waiting for one) is not lost: a stopped, exited or sleeping one is (:meth:`running`).
+    (the same kernel, network and PID namespace) whose process runs is waited for a while
+    longer; a stopped, exited or hung one is lost (:meth:`running`).
 
     Datagram: group id (8 bytes), sender rank (4 bytes), then a MAC of those when the group
     has a key (a forged heartbeat could otherwise hide a dead peer).
@@ -1322,6 +1322,7 @@ class Heartbeat:
         self.sock.settimeout(interval)  # (non-blocking at the OS level: see catch_up)
         self.peers: dict[int, tuple[str, int]] = {}
         self.procs: dict[int, tuple[int, int]] = {}  # same-host peers: (pid, start time)
+        self._cpu_seen: dict[int, int] = {}  # their CPU time (ticks) at the last look
         self.last_seen: dict[int, float] = {}
         self.dropped = 0
         self._stop = threading.Event()
@@ -1384,9 +1385,12 @@ class Heartbeat:
     def catch_up(self) -> None:
         """Read the heartbeats waiting in the socket now. The thread reads them too, but not
         while a long C call of this process held the GIL: they wait in the socket then, and a
-        check right after that call would find every peer silent."""
-        fd = self.sock.fileno()
-        while fd >= 0:
+        check right after that call would find every peer silent. (At most a few per peer:
+        datagrams anyone keeps sending cannot hold the caller here.)"""
+        for _ in range(64 + 4 * len(self.peers)):
+            fd = self.sock.fileno()
+            if fd < 0:  # closed
+                return
             try:
                 # os.read, not recv: a socket with a timeout polls before it reads, and the
                 # thread may take the datagram in between (the descriptor is non-blocking)
@@ -1395,29 +1399,39 @@ class Heartbeat:
                 return
             self._accept(data)
 
-    def running(self, rank: int) -> bool:
-        """Whether silent peer ``rank`` is a process of this host that runs: a thread of it on
-        a CPU or waiting for one (``R`` in ``/proc``), as while one long C call holds its GIL
-        and so keeps its heartbeat thread from sending. False for a peer elsewhere, and for
-        a process that is stopped (SIGSTOP), has exited or sleeps (every thread waiting,
-        the heartbeat thread too: hung)."""
+    def running(self, rank: int) -> bool | None:
+        """Whether silent peer ``rank`` is a process of this host that runs, as while one long
+        C call holds its GIL and so keeps its heartbeat thread from sending: it used CPU
+        since the last look, or a thread of it is on a CPU, waits for one or waits in the
+        kernel (``R``, ``D`` in ``/proc``). False for a peer elsewhere, a process that is
+        stopped (SIGSTOP), has exited, or used no CPU since the last look with every thread
+        asleep (hung). None on a first look that finds every thread asleep: look again
+        shortly (a thread that runs may be caught asleep for a moment)."""
         p = self.procs.get(rank)
         if p is None:
             return False
         pid, start = p
         try:
-            if int(_proc_stat(f"/proc/{pid}/stat")[19]) != start:
+            fields = _proc_stat(f"/proc/{pid}/stat")
+            if int(fields[19]) != start:
                 return False  # that process is gone; another has its pid
+            if fields[0] in (b"T", b"t", b"Z", b"X"):
+                return False  # stopped (or traced), or exited
+            cpu = int(fields[11]) + int(fields[12])  # user + system time of all its threads
             tasks = os.listdir(f"/proc/{pid}/task")
         except (OSError, ValueError, IndexError):
             return False
+        before = self._cpu_seen.get(rank)
+        self._cpu_seen[rank] = cpu
+        if before is not None and cpu > before:
+            return True
         for t in tasks:
             try:
-                if _proc_stat(f"/proc/{pid}/task/{t}/stat")[0] == b"R":
+                if _proc_stat(f"/proc/{pid}/task/{t}/stat")[0] in (b"R", b"D"):
                     return True
             except (OSError, ValueError, IndexError):
                 continue
-        return False
+        return False if before is not None else None
 
     def silent_for(self, rank: int, now: float) -> float:
         """Seconds since ``rank`` was last heard from (0 for unknown ranks)."""
