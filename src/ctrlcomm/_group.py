@@ -580,9 +580,9 @@ class Group:
             # host is looked up there: see Heartbeat.running)
             local = getattr(ep, "local_address", "")
             curve = getattr(ep, "curve_public", b"")
+            proc = proc_address()
             me = " ".join(filter(None, (ep.address, str(hb.port), local,
-                                        "curve:" + curve.decode() if curve else "",
-                                        proc_address())))
+                                        "curve:" + curve.decode() if curve else "", proc)))
             nonce, table = _rendezvous(store, me, rank, world_size, name, deadline)
             fields = {r: line.split(" ") for r, line in table.items()}
             peers = {r: f[0] for r, f in fields.items()}
@@ -603,7 +603,7 @@ class Group:
             hb.group_id = gid
             hb.start({r: (_host_of(peers[r]), int(line.split(" ")[1]))
                       for r, line in table.items() if r != rank},
-                     same_host_procs(extra("proc:")))
+                     same_host_procs(extra("proc:"), proc))
             core = Core(name=name, rank=rank, size=world_size, group_id=gid,
                         endpoint=ep, codec=CODECS[codec], key=key or None, timeout=t,
                         heartbeat=hb,

@@ -622,10 +622,10 @@ def proc_address() -> str:
     return f"proc:{key}:{os.getpid()}:{start}"
 
 
-def same_host_procs(addresses: dict[int, str]) -> dict[int, tuple[int, int]]:
+def same_host_procs(addresses: dict[int, str], mine: str) -> dict[int, tuple[int, int]]:
     """``{rank: (pid, start time)}`` of the peers whose :func:`proc_address` (``addresses``:
-    ``{rank: "proc:..."}``) says they are processes this one can look up in ``/proc``."""
-    mine = proc_address()
+    ``{rank: "proc:..."}``) says they are processes this one (``mine``: the one it
+    published) can look up in ``/proc``."""
     if not mine:
         return {}
     key = mine.split(":")[1]

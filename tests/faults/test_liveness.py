@@ -283,7 +283,7 @@ def test_running_tells_a_busy_process_from_a_stopped_sleeping_exited_or_other_on
     key, pid, _ = me.split(":")[1:]
     assert int(pid) == os.getpid()
     assert same_host_procs({0: me, 1: f"proc:{key}:42:7", 2: "proc:0000000000000000:42:7",
-                            3: "proc:bad"}) == {1: (42, 7)}
+                            3: "proc:bad"}, me) == {1: (42, 7)}
 
 
 def test_catch_up_reads_the_heartbeats_waiting_in_the_socket_without_waiting():
