@@ -51,11 +51,11 @@ PROBE_GRACE = 0.25
 # unless its goodbye (or the end of the stream it sends on) explains it first.
 SUSPECT_GRACE = 1.0
 # A silent peer of this host whose process runs (see Heartbeat.running) is looked at again
-# this often while it is waited for (sooner after a first look that was not sure), and is
+# this often while it is waited for (sooner after a first look, which cannot tell), and is
 # waited for while silent for up to RUNNING_LIMIT times liveness_timeout (a minute by
 # default: a long C call holding its GIL; a thread that spins in a hung process looks the same).
 RUNNING_RECHECK_S = 0.5
-RUNNING_UNSURE_S = 0.1
+RUNNING_UNSURE_S = 0.25
 RUNNING_LIMIT = 12
 # Flow control. A rank stops reading a peer that is HOLD_HIGH collective messages ahead, and
 # reads it again at HOLD_LOW; a sender with more than MAX_BACKLOG bytes queued for one peer

@@ -1291,6 +1291,16 @@ def make_endpoint(transport: str, bind_host: str,
 # ------------------------------------------------------------------------- liveness
 
 
+# A silent same-host peer that used at least this share of a CPU since the last look runs
+# (Heartbeat.running). One long C call uses a whole CPU, or its share of one where processes
+# outnumber CPUs; a hung process's threads waiting for the GIL use about 0.1%.
+RUNNING_CPU_SHARE = 0.05
+try:
+    _CLK_TCK = float(os.sysconf("SC_CLK_TCK"))  # the unit of CPU times in /proc
+except (AttributeError, OSError, ValueError):
+    _CLK_TCK = 100.0
+
+
 class Heartbeat:
     """Tells peers this process is alive, and notes when each peer last said so.
 
@@ -1322,7 +1332,7 @@ class Heartbeat:
         self.sock.settimeout(interval)  # (non-blocking at the OS level: see catch_up)
         self.peers: dict[int, tuple[str, int]] = {}
         self.procs: dict[int, tuple[int, int]] = {}  # same-host peers: (pid, start time)
-        self._cpu_seen: dict[int, int] = {}  # their CPU time (ticks) at the last look
+        self._cpu_seen: dict[int, tuple[float, float]] = {}  # their (time, CPU s) last looked
         self.last_seen: dict[int, float] = {}
         self.dropped = 0
         self._stop = threading.Event()
@@ -1401,12 +1411,11 @@ class Heartbeat:
 
     def running(self, rank: int) -> bool | None:
         """Whether silent peer ``rank`` is a process of this host that runs, as while one long
-        C call holds its GIL and so keeps its heartbeat thread from sending: it used CPU
-        since the last look, or a thread of it is on a CPU, waits for one or waits in the
-        kernel (``R``, ``D`` in ``/proc``). False for a peer elsewhere, a process that is
-        stopped (SIGSTOP), has exited, or used no CPU since the last look with every thread
-        asleep (hung). None on a first look that finds every thread asleep: look again
-        shortly (a thread that runs may be caught asleep for a moment)."""
+        C call holds its GIL and so keeps its heartbeat thread from sending: it used at least
+        :data:`RUNNING_CPU_SHARE` of a CPU since the last look. False for a peer elsewhere, a
+        process that is stopped (SIGSTOP), has exited, or used less (hung: its threads wait,
+        the ones waiting for the GIL wake for a few microseconds every 5 ms). None on a first
+        look at a process that is neither stopped nor gone: look again shortly."""
         p = self.procs.get(rank)
         if p is None:
             return False
@@ -1417,21 +1426,15 @@ class Heartbeat:
                 return False  # that process is gone; another has its pid
             if fields[0] in (b"T", b"t", b"Z", b"X"):
                 return False  # stopped (or traced), or exited
-            cpu = int(fields[11]) + int(fields[12])  # user + system time of all its threads
-            tasks = os.listdir(f"/proc/{pid}/task")
+            cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK  # user + system, all threads
         except (OSError, ValueError, IndexError):
             return False
+        now = time.monotonic()
         before = self._cpu_seen.get(rank)
-        self._cpu_seen[rank] = cpu
-        if before is not None and cpu > before:
-            return True
-        for t in tasks:
-            try:
-                if _proc_stat(f"/proc/{pid}/task/{t}/stat")[0] in (b"R", b"D"):
-                    return True
-            except (OSError, ValueError, IndexError):
-                continue
-        return False if before is not None else None
+        self._cpu_seen[rank] = (now, cpu)
+        if before is None:
+            return None
+        return cpu - before[1] >= RUNNING_CPU_SHARE * (now - before[0])
 
     def silent_for(self, rank: int, now: float) -> float:
         """Seconds since ``rank`` was last heard from (0 for unknown ranks)."""

@@ -1,6 +1,7 @@
 """Lost peers: killed, stopped, aborting. Every survivor fails fast, naming the lost rank."""
 
 import asyncio
+import itertools
 import os
 import pickle
 import signal
@@ -161,29 +162,39 @@ def test_an_idle_but_alive_peer_is_waited_for(store):
     assert run_ranks(idle_peer_is_not_lost, 2, store.port) == [2, 2]
 
 
-def _hold_gil(seconds):
-    """One C call that holds the GIL for about ``seconds`` (sum over a range: no Python runs,
-    so no other thread of this process does either)."""
+def _gil_rate():
+    """Seconds per item of ``any(repeat(0, n))`` here: the fastest of five runs of about 0.06
+    s each (a rate measured while a busy moment slowed it would make a hold too short)."""
     per = []
-    for _ in range(5):  # the fastest of five: a run slowed by a busy machine would undershoot
+    for _ in range(5):
         t = time.perf_counter()
-        sum(range(1_000_000))
+        any(itertools.repeat(0, 10_000_000))
         per.append(time.perf_counter() - t)
-    n = int(seconds / max(min(per), 1e-6) * 1_000_000)
+    return max(min(per), 1e-6) / 10_000_000
+
+
+def _hold_gil(seconds, rate):
+    """One C call that holds the GIL for about ``seconds`` at the rate of a short run, and
+    in practice less: a long run of it goes faster per item here (measured: 10 s asked, 7 s
+    held), so callers ask for more than they need. No Python runs meanwhile, so no other
+    thread of this process does either."""
     t = time.monotonic()
-    sum(range(n))
+    any(itertools.repeat(0, int(seconds / rate)))
     return time.monotonic() - t
 
 
 def gil_held_by_peer(rank, size, port, how, liveness=1.0):
     g = _group(rank, size, port, liveness_timeout=liveness, heartbeat_interval=liveness / 5)
     g.barrier()
+    # measured while rank 0 waits in the barrier (a quiet machine), before it times its call
+    rate = _gil_rate() if rank == 1 else None
+    g.barrier()
     held = None
     if rank == 1:
         if how == "running":
-            held = _hold_gil(3.0)
+            held = _hold_gil(4.0, rate)
         elif how == "too long":  # longer than the wait a running peer gets (12 timeouts)
-            held = _hold_gil(9.0)
+            held = _hold_gil(14.0, rate)
         else:  # asleep with the GIL held, every thread waiting: hung
             import ctypes
 
@@ -259,12 +270,14 @@ def test_running_tells_a_busy_process_from_a_stopped_sleeping_exited_or_other_on
         done.wait(10)
         hb.procs = {1: (busy.pid, start[busy.pid]), 2: (asleep.pid, start[asleep.pid]),
                     3: (busy.pid, start[busy.pid] + 1), 4: (done.pid, start[done.pid])}
+        assert hb.running(1) is None  # a first look cannot tell: look again
+        assert hb.running(2) is None
+        time.sleep(0.25)
+        assert hb.running(1) is True  # it used a CPU since the last look
+        assert hb.running(2) is False  # it used none: hung
+        time.sleep(0.25)
         assert hb.running(1) is True
-        assert hb.running(2) is None  # every thread asleep: look again
-        time.sleep(0.1)
-        assert hb.running(2) is False  # and it used no CPU since: hung
-        time.sleep(0.1)
-        assert hb.running(1) is True  # it used CPU since the last look
+        assert hb.running(2) is False
         assert hb.running(3) is False  # another start time: that process is gone
         assert hb.running(4) is False  # exited
         assert hb.running(5) is False  # not a process of this host
