@@ -14,6 +14,7 @@ from ._errors import GroupBrokenError as GroupBrokenError
 from ._errors import GroupClosedError as GroupClosedError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import MismatchError as MismatchError
+from ._errors import MismatchTimeoutError as MismatchTimeoutError
 from ._errors import OperandError as OperandError
 from ._errors import PeerLostError as PeerLostError
 from ._errors import ReductionError as ReductionError
@@ -42,6 +43,7 @@ __all__ = [
     "GroupClosedError",
     "InvalidArgumentError",
     "MismatchError",
+    "MismatchTimeoutError",
     "OperandError",
     "PeerLostError",
     "ReductionError",

@@ -14,6 +14,10 @@ messages queue per (src, tag), in arrival order, which is send order per pair of
 
 A collective message carries its op (and reduction op) and root. One whose seq is this rank's
 current seq but whose op or root differ means the ranks diverged: :class:`MismatchError` at once.
+Where no such message comes (every rank waits for another), the ranks a call waits for are
+asked what they are doing shortly before its deadline; an answer names the collective the
+peer is in (or returned from last), and one at this seq with another op or root makes the
+timeout a :class:`MismatchTimeoutError`, both a mismatch and a timeout.
 
 States: ``open`` -> ``closed`` (by :meth:`close`) or ``broken`` (timeout, mismatch, cancel of
 a collective, peer lost, abort). A collective that fails leaves the seq counters of the ranks
@@ -40,6 +44,7 @@ from ._errors import (
     GroupBrokenError,
     GroupClosedError,
     MismatchError,
+    MismatchTimeoutError,
     PeerLostError,
 )
 from ._transport import COPY_THRESHOLD, Heartbeat, TcpEndpoint, ZmqEndpoint
@@ -132,6 +137,9 @@ class Core:
         self.p2p_in: dict[int, int] = {}  # next point-to-point number expected per sender
         self.p2p_out: dict[int, int] = {}  # next number to send per destination
         self.status: dict[int, str] = {}
+        # what a peer's answer said of the collective it is in or returned from last:
+        # (seq, opcode, root)
+        self.status_call: dict[int, tuple[int, int, int]] = {}
         self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
         self.suspects: dict[int, tuple[float, str]] = {}  # peer -> (grace ends, why)
         self.dropped: Counter[str] = Counter()
@@ -270,9 +278,11 @@ class Core:
             self.p2p_in[m.src] = m.seq + 1
             self.p2p.setdefault((m.src, m.round), deque()).append(m)
         elif k == w.STATUS_REQ:
-            self._send_raw(m.src, w.STATUS_REP, self.describe_state().encode())
+            self._answer_status(m.src)
         elif k == w.STATUS_REP:
             self.status[m.src] = bytes(m.payload).decode(errors="replace")
+            if m.round in (w.STATUS_IN_CALL, w.STATUS_RETURNED):
+                self.status_call[m.src] = (seq, op, root)
         elif k == w.BYE:
             self.gone.setdefault(m.src, "closed the group")
         elif k == w.ABORT:
@@ -326,6 +336,25 @@ class Core:
             raise GroupClosedError(f"group {self.name!r} (rank {self.rank}) was closed "
                                    "during the call")
         self.ep.drain(self._sink)
+
+    def _answer_status(self, dst: int) -> None:
+        """Tell ``dst`` what this rank is doing: in words, and in the header the collective
+        it is in, or else the last one it returned from (so that a rank that waits for it in
+        another call at that seq can tell a mismatch from a late rank)."""
+        a = self.active
+        seq, flag, op, root = 0, 0, 0, w.NO_ROOT
+        if a is not None and a[1] >= 0:
+            seq, flag, op, root = a[1], w.STATUS_IN_CALL, a[2], a[3]
+        elif self.last[1] is not None:  # (idle ranks do not answer: this one is in a recv)
+            past = self._recent[self.last[1] % RECENT]
+            if past[0] == self.last[1]:
+                seq, flag, op, root = past[0], w.STATUS_RETURNED, past[1], past[2]
+        msg = w.Message(w.STATUS_REP, self.rank, self.group_id, seq, flag, op, root, w.RAW,
+                        self.describe_state().encode())
+        try:
+            self.ep.send(dst, w.encode(msg, self.key))
+        except Exception:  # best effort, as every status message
+            pass
 
     def describe_state(self) -> str:
         a = self.active
@@ -492,8 +521,11 @@ class Core:
                 # tell the others which ranks are gone: they may be waiting on this rank
                 self._notify_lost(e)
             elif isinstance(e, MismatchError) and self.state == "open" \
+                    and not isinstance(e, CollectiveTimeoutError) \
                     and "(reported by rank" not in str(e):
                 # the others may be waiting for this rank's part of a call it did not make
+                # (one found at a deadline, a MismatchTimeoutError, is not told: the ranks
+                # that wait time out and find it themselves; one that returned is not waiting)
                 self._notify_mismatch(e)
             self.brk(e)
             raise
@@ -613,6 +645,7 @@ class Core:
             self._probed = True
             for s in missing:
                 self.status.pop(s, None)
+                self.status_call.pop(s, None)
                 self._send_raw(s, w.STATUS_REQ, b"")
         return min(deadline if self._probed else probe_at, suspect_at) - now
 
@@ -622,10 +655,23 @@ class Core:
                   for s in missing}
         what = f"{name} #{seq}" if seq is not None else name
         detail = "; ".join(f"rank {s}: {v}" for s, v in states.items())
-        return CollectiveTimeoutError(
-            f"{what} on group {self.name!r} timed out after {t:g} s on rank {self.rank} "
-            f"waiting for ranks {missing} ({detail})",
-            op=name, seq=seq, group=self.name, waiting_for=missing, peer_states=states)
+        text = (f"{what} on group {self.name!r} timed out after {t:g} s on rank {self.rank} "
+                f"waiting for ranks {missing} ({detail})")
+        a = self.active
+        if a is not None and seq is not None and a[1] == seq:
+            # a rank waited for that is in (or returned from) another call at this seq will
+            # never send what this one waits for: the timeout is a mismatch
+            other = [(s, c) for s in missing if (c := self.status_call.get(s)) is not None
+                     and c[0] == seq and (c[1], c[2]) != (a[2], a[3])]
+            if other:
+                s, (_, op, root) = other[0]
+                return MismatchTimeoutError(
+                    f"{text}: collective #{seq} mismatch on group {self.name!r}: rank "
+                    f"{self.rank} called {describe(a[2], a[3])}, rank {s} called "
+                    f"{describe(op, root)}",
+                    op=name, seq=seq, group=self.name, waiting_for=missing, peer_states=states)
+        return CollectiveTimeoutError(text, op=name, seq=seq, group=self.name,
+                                      waiting_for=missing, peer_states=states)
 
     # ------------------------------------------------------------------ point to point
 

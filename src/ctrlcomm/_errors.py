@@ -6,6 +6,8 @@
     ├── InvalidArgumentError (also ValueError)   bad input, raised before anything is sent
     ├── CollectiveTimeoutError (also TimeoutError) a deadline passed; names op, seq, missing ranks
     ├── MismatchError                             ranks called different collectives at one point
+    │   └── MismatchTimeoutError (also CollectiveTimeoutError)  a deadline passed, and the
+    │                                             ranks waited for said they are in another call
     ├── ReductionError (also ValueError)          a reduction failed (raised where the result goes)
     ├── ConcurrentUseError (also RuntimeError)    a second thread / coroutine entered a busy group
     ├── GroupClosedError                          you closed it
@@ -65,6 +67,16 @@ class CollectiveTimeoutError(CtrlcommError, TimeoutError):
 
 class MismatchError(CtrlcommError):
     """Ranks called different collectives (or different roots) at the same point."""
+
+
+class MismatchTimeoutError(MismatchError, CollectiveTimeoutError):
+    """A call timed out waiting for ranks that, asked before the deadline, said they were in
+    (or had returned from) another collective, or the same with another root, at this
+    sequence number. Where no rank gets a message of the other call (a ``gather`` whose
+    ranks named different destinations, an ``all_reduce`` on one rank while the others wait
+    in a ``broadcast``), that is how a mismatch shows: at the deadline, on each rank that
+    waits. Both a :class:`MismatchError` and a :class:`CollectiveTimeoutError` (with its
+    attributes)."""
 
 
 class ReductionError(CtrlcommError, ValueError):

@@ -35,10 +35,15 @@ HEADER = struct.Struct("<2sBBBBHIQQqiH")
 COLL = 1  # collective traffic, matched by (seq, round, src)
 P2P = 2  # point to point, matched by (src, tag)
 STATUS_REQ = 3  # "what are you doing?" (sent when a wait is about to time out)
-STATUS_REP = 4  # the answer: payload is a short text
+STATUS_REP = 4  # the answer: payload is a short text; header: see STATUS_IN_CALL
 ABORT = 5  # the sender aborted the group; payload is the reason
 BYE = 6  # the sender closed the group
 KINDS = frozenset({COLL, P2P, STATUS_REQ, STATUS_REP, ABORT, BYE})
+
+# A STATUS_REP's round says what its seq, op and root are: the collective the sender is in
+# (STATUS_IN_CALL), the last one it returned from (STATUS_RETURNED), or nothing (0)
+STATUS_IN_CALL = 1
+STATUS_RETURNED = 2
 
 # codecs
 RAW = 0  # payload is bytes, used for control messages

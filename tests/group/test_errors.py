@@ -66,6 +66,69 @@ def test_timeout_reports_what_each_peer_is_doing():
         assert took < 2.0
 
 
+def unseen_mismatch(g, kind):
+    """Ranks in different calls at one seq where no rank gets a message of the other call:
+    every rank waits. Each that waits times out, and its error is a mismatch too, naming
+    both calls (what the peers said they were in, asked before the deadline)."""
+    r = g.rank
+    t0 = time.monotonic()
+    try:
+        if kind == "all_reduce_vs_broadcast":
+            out = g.all_reduce(1, timeout=1.5) if r == 0 \
+                else g.broadcast(None, src=0, timeout=1.5)
+        else:  # gather: rank 0 names itself the destination, the others rank 1
+            out = g.gather(r, dst=0 if r == 0 else 1, timeout=1.5)
+    except ctrlcomm.CollectiveTimeoutError as e:
+        took = time.monotonic() - t0
+        time.sleep(max(0.0, 2.5 - took))  # stay until every rank has passed its deadline
+        return ("timeout", isinstance(e, ctrlcomm.MismatchError), str(e), e.op, e.seq,
+                e.waiting_for, e.peer_states, took)
+    time.sleep(max(0.0, 2.5 - (time.monotonic() - t0)))
+    return ("returned", out)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce_vs_broadcast", "gather_destinations"])
+def test_a_mismatch_no_rank_receives_shows_at_the_deadline_as_both_errors(kind):
+    res = run_group(unseen_mismatch, 3, kind)
+    waiting = [0, 1, 2] if kind == "all_reduce_vs_broadcast" else [0, 1]
+    for r in waiting:
+        what, is_mismatch, msg, op, seq, waited_for, states, took = res[r]
+        assert what == "timeout" and is_mismatch, (r, res[r])
+        assert 1.2 < took < 2.4, (r, took)  # at its deadline, not before, not after
+        assert seq == 0 and "mismatch" in msg and waited_for, (r, msg)
+        if kind == "all_reduce_vs_broadcast":
+            assert "all_reduce(op='sum')" in msg and "broadcast(root=0)" in msg, (r, msg)
+        else:
+            assert "gather(root=0)" in msg and "gather(root=1)" in msg, (r, msg)
+        assert all(states[s] for s in waited_for), states
+    if kind == "gather_destinations":
+        assert res[2] == ("returned", None)  # it sent to its destination, rank 1: done
+
+
+def late_rank_is_not_a_mismatch(g):
+    """A rank that is merely late makes a plain timeout, not a mismatch: here it waits in a
+    recv after the barrier (#0) while rank 0 waits for it in all_reduce #1 (it answers
+    that it returned from barrier #0)."""
+    if g.rank == 1:
+        g.barrier(timeout=5)
+        with pytest.raises(ctrlcomm.CollectiveTimeoutError):
+            g.recv(src=0, timeout=1.5)
+        return None
+    g.barrier(timeout=5)
+    try:
+        g.all_reduce(1, timeout=1.0)
+    except ctrlcomm.CollectiveTimeoutError as e:
+        time.sleep(1.0)  # (closing now would end rank 1's recv with PeerLostError)
+        return isinstance(e, ctrlcomm.MismatchError), e.peer_states
+    return "no error"
+
+
+def test_a_late_rank_is_a_timeout_not_a_mismatch():
+    is_mismatch, states = run_group(late_rank_is_not_a_mismatch, 2)[0]
+    assert not is_mismatch
+    assert states[1].startswith("in recv(src=0, tag=0)"), states
+
+
 def mismatched_ops(g):
     try:
         if g.rank == 0:

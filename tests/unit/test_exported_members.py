@@ -6,6 +6,7 @@ def test_all_is_pinned():
         "AioGroup", "AsyncZMQCommunicator", "CodecError", "CollectiveTimeoutError", "ConcurrentUseError",
         "CtrlcommError", "FormationError", "FormationTimeoutError", "Group",
         "GroupBrokenError", "GroupClosedError", "InvalidArgumentError", "MismatchError",
+        "MismatchTimeoutError",
         "OperandError", "PeerLostError", "ReductionError", "StatelessProcessGroup", "StoreClient",
         "StoreError", "StoreServer", "StoreTimeoutError", "__version__",
     ])
@@ -23,3 +24,6 @@ def test_every_error_derives_from_one_base():
     # a rank's operand the op cannot reduce: a failed reduction, and a bad argument
     assert issubclass(ctrlcomm.OperandError, ctrlcomm.ReductionError)
     assert issubclass(ctrlcomm.OperandError, ctrlcomm.InvalidArgumentError)
+    # a timeout whose cause, the peers answered, is a mismatch: both
+    assert issubclass(ctrlcomm.MismatchTimeoutError, ctrlcomm.MismatchError)
+    assert issubclass(ctrlcomm.MismatchTimeoutError, ctrlcomm.CollectiveTimeoutError)
