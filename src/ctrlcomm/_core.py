@@ -17,7 +17,8 @@ current seq but whose op or root differ means the ranks diverged: :class:`Mismat
 Where no such message comes (every rank waits for another), the ranks a call waits for are
 asked what they are doing shortly before its deadline; an answer names the collective the
 peer is in (or returned from last), and one at this seq with another op or root makes the
-timeout a :class:`MismatchTimeoutError`, both a mismatch and a timeout.
+timeout a :class:`MismatchTimeoutError`, both a mismatch and a timeout, which the rank tells
+the others (a rank waiting in that call raises one too, at once).
 
 States: ``open`` -> ``closed`` (by :meth:`close`) or ``broken`` (timeout, mismatch, cancel of
 a collective, peer lost, abort). A collective that fails leaves the seq counters of the ranks
@@ -68,6 +69,8 @@ RUNNING_LIMIT = 12
 # broadcast root runs ahead of its receivers.
 LOST_PREFIX = "\x00lost:"  # an ABORT that reports lost ranks (not a user's abort)
 MISMATCH_PREFIX = "\x00mismatch:"  # an ABORT that reports a mismatch (ranks out of step)
+# an ABORT that reports a mismatch found at a deadline: "SEQ|description"
+DEADLINE_MISMATCH_PREFIX = "\x00mismatch-at-deadline:"
 HOLD_HIGH = 256
 HOLD_LOW = 64
 MAX_BACKLOG = 4 * 1024 * 1024
@@ -287,7 +290,10 @@ class Core:
             self.gone.setdefault(m.src, "closed the group")
         elif k == w.ABORT:
             reason = bytes(m.payload).decode(errors="replace")
-            if reason.startswith(MISMATCH_PREFIX):
+            if reason.startswith(DEADLINE_MISMATCH_PREFIX):
+                seq_text, _, desc = reason[len(DEADLINE_MISMATCH_PREFIX):].partition("|")
+                self.brk(self._told_mismatch(seq_text, desc, m.src))
+            elif reason.startswith(MISMATCH_PREFIX):
                 # another rank found the ranks out of step: so are the calls of this one
                 self.brk(MismatchError(f"{reason[len(MISMATCH_PREFIX):]} (reported by rank "
                                        f"{m.src})"))
@@ -315,6 +321,25 @@ class Core:
         """That this rank called (op, root) as collective #seq, and ``m``'s sender another."""
         return (f"group {self.name!r}: collective #{seq} mismatch: rank {self.rank} called "
                 f"{describe(op, root)}, rank {m.src} called {describe(m.op, m.root)}")
+
+    def _told_mismatch(self, seq_text: str, desc: str, src: int) -> MismatchError:
+        """The error of a mismatch rank ``src`` found at its deadline and told: where this
+        rank waits in that collective, a :class:`MismatchTimeoutError` like the one it would
+        raise at its own deadline (its calls cannot complete either), else a
+        :class:`MismatchError` that breaks the group."""
+        told = f"{desc} (found at its deadline by rank {src}; reported by rank {src})"
+        a = self.active
+        if a is None or str(a[1]) != seq_text:
+            return MismatchError(told)
+        name, seq = a[0], a[1]
+        missing = list(self.waiting_for)
+        states = self._peer_states(missing)
+        detail = "; ".join(f"rank {s}: {v}" for s, v in states.items())
+        return MismatchTimeoutError(
+            f"{name} #{seq} on group {self.name!r} cannot complete on rank {self.rank} "
+            f"waiting for ranks {missing} ({detail}): {told}",
+            mismatch=desc, op=name, seq=seq, group=self.name, waiting_for=missing,
+            peer_states=states)
 
     def _late_mismatch(self, m: w.Message, past: tuple[int, int, int]) -> None:
         """A message of call #seq, which returned here, shows its sender called another
@@ -521,11 +546,8 @@ class Core:
                 # tell the others which ranks are gone: they may be waiting on this rank
                 self._notify_lost(e)
             elif isinstance(e, MismatchError) and self.state == "open" \
-                    and not isinstance(e, CollectiveTimeoutError) \
                     and "(reported by rank" not in str(e):
                 # the others may be waiting for this rank's part of a call it did not make
-                # (one found at a deadline, a MismatchTimeoutError, is not told: the ranks
-                # that wait time out and find it themselves; one that returned is not waiting)
                 self._notify_mismatch(e)
             self.brk(e)
             raise
@@ -649,10 +671,14 @@ class Core:
                 self._send_raw(s, w.STATUS_REQ, b"")
         return min(deadline if self._probed else probe_at, suspect_at) - now
 
+    def _peer_states(self, ranks: list[int]) -> dict[int, str]:
+        """What each of ``ranks`` answered it was doing, when last asked."""
+        return {s: self.status.get(s, "did not answer (not in a ctrlcomm call, or stuck)")
+                for s in ranks}
+
     def _timeout(self, name: str, seq: int | None, t: float, missing: list[int]
                  ) -> CollectiveTimeoutError:
-        states = {s: self.status.get(s, "did not answer (not in a ctrlcomm call, or stuck)")
-                  for s in missing}
+        states = self._peer_states(missing)
         what = f"{name} #{seq}" if seq is not None else name
         detail = "; ".join(f"rank {s}: {v}" for s, v in states.items())
         text = (f"{what} on group {self.name!r} timed out after {t:g} s on rank {self.rank} "
@@ -664,11 +690,12 @@ class Core:
             other = [(s, c) for s in missing if (c := self.status_call.get(s)) is not None
                      and c[0] == seq and (c[1], c[2]) != (a[2], a[3])]
             if other:
-                s, (_, op, root) = other[0]
+                desc = (f"collective #{seq} mismatch on group {self.name!r}: rank {self.rank} "
+                        f"called {describe(a[2], a[3])}; "
+                        + "; ".join(f"rank {s} called {describe(op, root)}"
+                                    for s, (_, op, root) in other))
                 return MismatchTimeoutError(
-                    f"{text}: collective #{seq} mismatch on group {self.name!r}: rank "
-                    f"{self.rank} called {describe(a[2], a[3])}, rank {s} called "
-                    f"{describe(op, root)}",
+                    f"{text}: {desc}", mismatch=desc,
                     op=name, seq=seq, group=self.name, waiting_for=missing, peer_states=states)
         return CollectiveTimeoutError(text, op=name, seq=seq, group=self.name,
                                       waiting_for=missing, peer_states=states)
@@ -786,7 +813,10 @@ class Core:
         self._tell_peers(w.ABORT, f"{LOST_PREFIX}{','.join(map(str, e.ranks))}|{e}")
 
     def _notify_mismatch(self, e: MismatchError) -> None:
-        self._tell_peers(w.ABORT, f"{MISMATCH_PREFIX}{e}")
+        if isinstance(e, MismatchTimeoutError):
+            self._tell_peers(w.ABORT, f"{DEADLINE_MISMATCH_PREFIX}{e.seq}|{e.mismatch}")
+        else:
+            self._tell_peers(w.ABORT, f"{MISMATCH_PREFIX}{e}")
 
     def abort(self, reason: str) -> None:
         if self.state == "closed":

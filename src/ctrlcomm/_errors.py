@@ -26,6 +26,7 @@ mailbox counts and drops such frames; it never reaches user code.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class CtrlcommError(Exception):
@@ -74,9 +75,19 @@ class MismatchTimeoutError(MismatchError, CollectiveTimeoutError):
     (or had returned from) another collective, or the same with another root, at this
     sequence number. Where no rank gets a message of the other call (a ``gather`` whose
     ranks named different destinations, an ``all_reduce`` on one rank while the others wait
-    in a ``broadcast``), that is how a mismatch shows: at the deadline, on each rank that
-    waits. Both a :class:`MismatchError` and a :class:`CollectiveTimeoutError` (with its
-    attributes)."""
+    in a ``broadcast``), that is how a mismatch shows: at the first deadline, on the rank
+    that reaches it, which tells the others (a rank waiting in that call raises this too, at
+    once; one that returned finds the group broken). Both a :class:`MismatchError` and a
+    :class:`CollectiveTimeoutError` (with its attributes).
+
+    Attributes, besides those of :class:`CollectiveTimeoutError`:
+        mismatch: which rank called what, e.g. ``"collective #3 mismatch on group 'ctrl':
+            rank 0 called all_reduce(op='sum'); rank 1 called broadcast(root=0)"``.
+    """
+
+    def __init__(self, message: str, *, mismatch: str = "", **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.mismatch = mismatch
 
 
 class ReductionError(CtrlcommError, ValueError):

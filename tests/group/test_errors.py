@@ -66,43 +66,63 @@ def test_timeout_reports_what_each_peer_is_doing():
         assert took < 2.0
 
 
-def unseen_mismatch(g, kind):
+def unseen_mismatch(g, kind, late):
     """Ranks in different calls at one seq where no rank gets a message of the other call:
-    every rank waits. Each that waits times out, and its error is a mismatch too, naming
-    both calls (what the peers said they were in, asked before the deadline)."""
+    every rank waits. The first to reach its deadline finds the mismatch (what the peers
+    said they were in, asked shortly before) and tells the others; each rank that waits
+    raises an error that is both a mismatch and a timeout, naming the calls. Rank 0's
+    deadline comes first (1.2 s against 1.5), unless ``late``: then it enters 0.6 s after the
+    others, so it cannot have asked anyone by their deadline."""
     r = g.rank
     t0 = time.monotonic()
+    if late and r == 0:
+        time.sleep(0.6)
+    t = 1.2 if r == 0 and not late else 1.5
     try:
         if kind == "all_reduce_vs_broadcast":
-            out = g.all_reduce(1, timeout=1.5) if r == 0 \
-                else g.broadcast(None, src=0, timeout=1.5)
+            out = g.all_reduce(1, timeout=t) if r == 0 else g.broadcast(None, src=0, timeout=t)
         else:  # gather: rank 0 names itself the destination, the others rank 1
-            out = g.gather(r, dst=0 if r == 0 else 1, timeout=1.5)
+            out = g.gather(r, dst=0 if r == 0 else 1, timeout=t)
     except ctrlcomm.CollectiveTimeoutError as e:
         took = time.monotonic() - t0
-        time.sleep(max(0.0, 2.5 - took))  # stay until every rank has passed its deadline
+        time.sleep(max(0.0, 3.0 - took))  # stay until every rank has passed its deadline
         return ("timeout", isinstance(e, ctrlcomm.MismatchError), str(e), e.op, e.seq,
                 e.waiting_for, e.peer_states, took)
-    time.sleep(max(0.0, 2.5 - (time.monotonic() - t0)))
-    return ("returned", out)
+    # rank 2 of the gather sent to its destination (rank 1) and returned; waiting in a recv
+    # it answers the others that it returned from gather(root=1) #0, then hears of the
+    # mismatch: the group is broken
+    try:
+        g.recv(src=0, timeout=2.5)
+    except ctrlcomm.GroupBrokenError as e:
+        return ("returned", out, type(e.__cause__).__name__, str(e))
+    return ("returned", out, None, None)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["together", "rank0_late"])
 @pytest.mark.parametrize("kind", ["all_reduce_vs_broadcast", "gather_destinations"])
-def test_a_mismatch_no_rank_receives_shows_at_the_deadline_as_both_errors(kind):
-    res = run_group(unseen_mismatch, 3, kind)
+def test_a_mismatch_no_rank_receives_shows_at_the_deadline_as_both_errors(kind, late):
+    res = run_group(unseen_mismatch, 3, kind, late)
     waiting = [0, 1, 2] if kind == "all_reduce_vs_broadcast" else [0, 1]
     for r in waiting:
         what, is_mismatch, msg, op, seq, waited_for, states, took = res[r]
         assert what == "timeout" and is_mismatch, (r, res[r])
-        assert 1.2 < took < 2.4, (r, took)  # at its deadline, not before, not after
+        # at the first deadline (rank 0's, or the others'), not before, not after
+        assert (1.0 if not late else 1.3) < took < 2.0, (r, took)
         assert seq == 0 and "mismatch" in msg and waited_for, (r, msg)
         if kind == "all_reduce_vs_broadcast":
             assert "all_reduce(op='sum')" in msg and "broadcast(root=0)" in msg, (r, msg)
         else:
             assert "gather(root=0)" in msg and "gather(root=1)" in msg, (r, msg)
-        assert all(states[s] for s in waited_for), states
+        if not late:  # rank 0 asked its peers before its deadline, the first, and told
+            if r == 0:
+                assert not any(states[s].startswith("did not answer") for s in waited_for)
+            else:
+                assert "found at its deadline by rank 0" in msg, (r, msg)
     if kind == "gather_destinations":
-        assert res[2] == ("returned", None)  # it sent to its destination, rank 1: done
+        # rank 2 returned None (it sent to its destination) and was then told
+        assert res[2] == ("returned", None, "MismatchError", res[2][3]), res[2]
+        if not late:  # its answer from the recv: that it returned from gather(root=1) #0
+            assert "rank 1 called gather(root=1); rank 2 called gather(root=1)" in res[0][2]
 
 
 def late_rank_is_not_a_mismatch(g):
