@@ -353,6 +353,11 @@ class Core:
             f"{self.rank}: its result there may be wrong)")
         self._notify_mismatch(e)
         self.brk(e)
+        a = self.active
+        if a is not None and a[1] >= 0 and self.mismatch is None:
+            # the collective in progress raises it, even if its own messages are all in (read
+            # with this one): whether it does must not depend on how the reads fell
+            self.mismatch = e
 
     def pump(self) -> None:
         if self._deferred:  # close() or abort() from another thread or task

@@ -214,6 +214,27 @@ def test_ranks_naming_different_roots_raise_a_mismatch_instead_of_going_on(op):
         assert took < 8, (r, took)  # not the 10 s deadline of a rank left waiting
 
 
+def both_roots_then_all_reduce(g):
+    """Each rank of two names itself the broadcast's root: both send and return. Rank 1
+    enters the next call late, when rank 0's broadcast and all_reduce messages are both
+    waiting: it reads them together, and the all_reduce, whose own messages are all in,
+    still raises the mismatch found in the same read (not only the call after it)."""
+    g.broadcast(f"from {g.rank}", src=g.rank, timeout=10)
+    if g.rank == 1:
+        time.sleep(0.3)
+    try:
+        out = g.all_reduce(1, timeout=10)
+    except ctrlcomm.MismatchError as e:
+        return "mismatch", str(e)
+    return "returned", out
+
+
+def test_a_mismatch_found_late_fails_the_call_in_progress_however_the_reads_fall():
+    for r, (kind, msg) in enumerate(run_group(both_roots_then_all_reduce, 2)):
+        assert kind == "mismatch", (r, kind, msg)
+        assert "broadcast(root=0)" in msg and "broadcast(root=1)" in msg, (r, msg)
+
+
 def reduction_ops_differ(g):
     """Only rank 0 sees the mismatch (the star's root: rank 1 and 2 send to it and wait):
     it must tell them, not leave them waiting out their deadline."""
