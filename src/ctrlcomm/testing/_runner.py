@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import signal
 import socket
 import time
@@ -21,9 +22,36 @@ class RankFailedError(AssertionError):
         self.failures = failures
 
 
+def _ephemeral_low() -> int:
+    """The lowest port of the range the kernel hands out for outgoing connections (0 where
+    it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bound to port 0 by the OS, then released)."""
-    with socket.socket() as s:
+    """A port that was free a moment ago, for a group's rendezvous store.
+
+    Taken at random below the kernel's ephemeral range where there is room (10000 up to
+    it): a port the OS hands out when asked for port 0 comes from that range, from which
+    any process's outgoing connections also take their source ports, at any moment, so
+    it may be gone by the time rank 0 binds it. Below the range only an explicit bind
+    can take it. Else, where the range cannot be read, a port the OS handed out."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    pick = random.SystemRandom()  # (not the random module's state: tests may seed it)
+    for _ in range(100 if low > 11000 else 0):
+        port = pick.randrange(10000, low)
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
