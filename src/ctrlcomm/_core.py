@@ -69,8 +69,6 @@ RUNNING_LIMIT = 12
 # broadcast root runs ahead of its receivers.
 LOST_PREFIX = "\x00lost:"  # an ABORT that reports lost ranks (not a user's abort)
 MISMATCH_PREFIX = "\x00mismatch:"  # an ABORT that reports a mismatch (ranks out of step)
-# an ABORT that reports a mismatch found at a deadline: "SEQ|description"
-DEADLINE_MISMATCH_PREFIX = "\x00mismatch-at-deadline:"
 HOLD_HIGH = 256
 HOLD_LOW = 64
 MAX_BACKLOG = 4 * 1024 * 1024
@@ -290,13 +288,14 @@ class Core:
             self.gone.setdefault(m.src, "closed the group")
         elif k == w.ABORT:
             reason = bytes(m.payload).decode(errors="replace")
-            if reason.startswith(DEADLINE_MISMATCH_PREFIX):
-                seq_text, _, desc = reason[len(DEADLINE_MISMATCH_PREFIX):].partition("|")
-                self.brk(self._told_mismatch(seq_text, desc, m.src))
-            elif reason.startswith(MISMATCH_PREFIX):
+            if reason.startswith(MISMATCH_PREFIX):
                 # another rank found the ranks out of step: so are the calls of this one
-                self.brk(MismatchError(f"{reason[len(MISMATCH_PREFIX):]} (reported by rank "
-                                       f"{m.src})"))
+                desc = reason[len(MISMATCH_PREFIX):]
+                e: MismatchError = self._told_mismatch(seq, desc, m.src) \
+                    if rnd == w.ABORT_AT_DEADLINE \
+                    else MismatchError(f"{desc} (reported by rank {m.src})")
+                self.brk(e)
+                self._fail_call(e)
             elif reason.startswith(LOST_PREFIX):
                 # a peer lost ranks and tells everyone: name those ranks, not the messenger
                 head, _, text = reason[len(LOST_PREFIX):].partition("|")
@@ -322,42 +321,47 @@ class Core:
         return (f"group {self.name!r}: collective #{seq} mismatch: rank {self.rank} called "
                 f"{describe(op, root)}, rank {m.src} called {describe(m.op, m.root)}")
 
-    def _told_mismatch(self, seq_text: str, desc: str, src: int) -> MismatchError:
-        """The error of a mismatch rank ``src`` found at its deadline and told: where this
-        rank waits in that collective, a :class:`MismatchTimeoutError` like the one it would
-        raise at its own deadline (its calls cannot complete either), else a
-        :class:`MismatchError` that breaks the group."""
-        told = f"{desc} (found at its deadline by rank {src}; reported by rank {src})"
+    def _told_mismatch(self, seq: int, desc: str, src: int) -> MismatchError:
+        """The error of a mismatch in collective #``seq`` that rank ``src`` found at its
+        deadline and told: where this rank is in that collective, a
+        :class:`MismatchTimeoutError` like the one it would raise at its own deadline (its
+        call cannot complete either), else a :class:`MismatchError`."""
+        told = f"{desc} (reported by rank {src}, which found it at its deadline)"
         a = self.active
-        if a is None or str(a[1]) != seq_text:
+        if a is None or a[1] != seq:
             return MismatchError(told)
-        name, seq = a[0], a[1]
+        name = a[0]
         missing = list(self.waiting_for)
-        states = self._peer_states(missing)
+        # (what this rank's own probe heard, if it asked before it was told)
+        states = self._peer_states(missing, "not asked (told before this rank's deadline)")
         detail = "; ".join(f"rank {s}: {v}" for s, v in states.items())
+        waiting = f" waiting for ranks {missing} ({detail})" if missing else ""
         return MismatchTimeoutError(
-            f"{name} #{seq} on group {self.name!r} cannot complete on rank {self.rank} "
-            f"waiting for ranks {missing} ({detail}): {told}",
+            f"{name} #{seq} on group {self.name!r} cannot complete on rank {self.rank}"
+            f"{waiting}: {told}",
             mismatch=desc, op=name, seq=seq, group=self.name, waiting_for=missing,
             peer_states=states)
+
+    def _fail_call(self, e: MismatchError) -> None:
+        """The ranks are out of step: the collective in progress raises ``e`` at its next look,
+        even if its own messages are all in (read with what showed it). Whether it raises
+        must not depend on how the reads fell."""
+        a = self.active
+        if a is not None and a[1] >= 0 and self.mismatch is None:
+            self.mismatch = e
 
     def _late_mismatch(self, m: w.Message, past: tuple[int, int, int]) -> None:
         """A message of call #seq, which returned here, shows its sender called another
         collective or root there (both returned without waiting for each other: a broadcast
         whose ranks named different roots, say). This rank's result of it may be wrong: the
-        group breaks, and the call in progress or the next one raises."""
-        if self.state != "open":
-            return
+        group breaks, and the call in progress raises (or the next one)."""
         e = MismatchError(
             f"{self._mismatch_text(*past, m)} (found after #{past[0]} had returned on rank "
             f"{self.rank}: its result there may be wrong)")
-        self._notify_mismatch(e)
-        self.brk(e)
-        a = self.active
-        if a is not None and a[1] >= 0 and self.mismatch is None:
-            # the collective in progress raises it, even if its own messages are all in (read
-            # with this one): whether it does must not depend on how the reads fell
-            self.mismatch = e
+        if self.state == "open":
+            self._notify_mismatch(e)
+            self.brk(e)
+        self._fail_call(e)
 
     def pump(self) -> None:
         if self._deferred:  # close() or abort() from another thread or task
@@ -396,8 +400,9 @@ class Core:
 
     # -------------------------------------------------------------------------- sending
 
-    def _send_raw(self, dst: int, kind: int, payload: bytes) -> None:
-        msg = w.Message(kind, self.rank, self.group_id, 0, 0, payload=payload)
+    def _send_raw(self, dst: int, kind: int, payload: bytes, seq: int = 0, rnd: int = 0
+                  ) -> None:
+        msg = w.Message(kind, self.rank, self.group_id, seq, rnd, payload=payload)
         try:
             self.ep.send(dst, w.encode(msg, self.key))
         except Exception:  # a status or goodbye message is best effort
@@ -487,6 +492,8 @@ class Core:
                     rnd, sends, recvs = send(reply)  # type: ignore[arg-type]
                 except StopIteration as e:
                     result = e.value
+                    if self.mismatch is not None:  # found by a send's read (_backpressure)
+                        raise self.mismatch from None
                     break
                 if sends:
                     self._post(sends, rnd, seq, opcode, root)
@@ -676,10 +683,11 @@ class Core:
                 self._send_raw(s, w.STATUS_REQ, b"")
         return min(deadline if self._probed else probe_at, suspect_at) - now
 
-    def _peer_states(self, ranks: list[int]) -> dict[int, str]:
+    def _peer_states(self, ranks: list[int],
+                     unknown: str = "did not answer (not in a ctrlcomm call, or stuck)"
+                     ) -> dict[int, str]:
         """What each of ``ranks`` answered it was doing, when last asked."""
-        return {s: self.status.get(s, "did not answer (not in a ctrlcomm call, or stuck)")
-                for s in ranks}
+        return {s: self.status.get(s, unknown) for s in ranks}
 
     def _timeout(self, name: str, seq: int | None, t: float, missing: list[int]
                  ) -> CollectiveTimeoutError:
@@ -807,19 +815,22 @@ class Core:
                 self._tell_peers(w.BYE, "")
                 self.ep.close()
 
-    def _tell_peers(self, kind: int, text: str) -> None:
+    def _tell_peers(self, kind: int, text: str, seq: int = 0, rnd: int = 0) -> None:
         """A control message to every peer not known gone (best effort)."""
         payload = text.encode()
         for p in range(self.size):
             if p != self.rank and p not in self.gone:
-                self._send_raw(p, kind, payload)
+                self._send_raw(p, kind, payload, seq, rnd)
 
     def _notify_lost(self, e: PeerLostError) -> None:
         self._tell_peers(w.ABORT, f"{LOST_PREFIX}{','.join(map(str, e.ranks))}|{e}")
 
     def _notify_mismatch(self, e: MismatchError) -> None:
-        if isinstance(e, MismatchTimeoutError):
-            self._tell_peers(w.ABORT, f"{DEADLINE_MISMATCH_PREFIX}{e.seq}|{e.mismatch}")
+        if isinstance(e, MismatchTimeoutError) and e.seq is not None:
+            # the description only, and in the header which call and how it was found (a
+            # peer of an earlier version reads a plain mismatch)
+            self._tell_peers(w.ABORT, f"{MISMATCH_PREFIX}{e.mismatch}", e.seq,
+                             w.ABORT_AT_DEADLINE)
         else:
             self._tell_peers(w.ABORT, f"{MISMATCH_PREFIX}{e}")
 

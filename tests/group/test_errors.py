@@ -117,7 +117,7 @@ def test_a_mismatch_no_rank_receives_shows_at_the_deadline_as_both_errors(kind, 
             if r == 0:
                 assert not any(states[s].startswith("did not answer") for s in waited_for)
             else:
-                assert "found at its deadline by rank 0" in msg, (r, msg)
+                assert "(reported by rank 0, which found it at its deadline)" in msg, (r, msg)
     if kind == "gather_destinations":
         # rank 2 returned None (it sent to its destination) and was then told
         assert res[2] == ("returned", None, "MismatchError", res[2][3]), res[2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import queue
@@ -22,34 +23,59 @@ class RankFailedError(AssertionError):
         self.failures = failures
 
 
-def _ephemeral_low() -> int:
-    """The lowest port of the range the kernel hands out for outgoing connections (0 where
-    it cannot be read)."""
+def _ephemeral_range() -> tuple[int, int]:
+    """The range of ports the kernel hands out for outgoing connections ((0, 0) where it
+    cannot be read)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
+            low, high = (int(x) for x in f.read().split()[:2])
+            return low, high
+    except (OSError, ValueError):
+        return 0, 0
+
+
+# ports a test's store must not take though free: Kubernetes' NodePort range (a node's
+# iptables may send them elsewhere) and torch's default MASTER_PORT
+_AVOID = (range(30000, 32768), range(29400, 29600))
+_pick = random.SystemRandom()  # (not the random module's state: tests may seed it)
+
+
+def _candidates(low: int, high: int) -> list[range]:
+    """Where to look for a port outside the ephemeral range ``(low, high)``: below it from
+    10000, and above it, each where there are at least 1000 ports."""
+    out = []
+    if low > 11000:
+        out.append(range(10000, low))
+    if 0 < high < 64535:
+        out.append(range(high + 1, 65536))
+    return out
+
+
+def _random_port(spans: list[range]) -> int:
+    return _pick.choice(_pick.choice(spans))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago, for a group's rendezvous store.
 
-    Taken at random below the kernel's ephemeral range where there is room (10000 up to
-    it): a port the OS hands out when asked for port 0 comes from that range, from which
-    any process's outgoing connections also take their source ports, at any moment, so
-    it may be gone by the time rank 0 binds it. Below the range only an explicit bind
-    can take it. Else, where the range cannot be read, a port the OS handed out."""
+    Taken at random outside the kernel's ephemeral range (checked by binding it): a port
+    the OS hands out when asked for port 0 comes from that range, from which every
+    process's outgoing connections also take their source ports, at any moment, so it may
+    be gone by the time rank 0 binds it; outside the range only an explicit bind can take
+    it. Where the range cannot be read or leaves no room, a port the OS hands out."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    low = _ephemeral_low()
-    pick = random.SystemRandom()  # (not the random module's state: tests may seed it)
-    for _ in range(100 if low > 11000 else 0):
-        port = pick.randrange(10000, low)
+    spans = _candidates(*_ephemeral_range())
+    for _ in range(100 if spans else 0):
+        port = _random_port(spans)
+        if any(port in r for r in _AVOID):
+            continue
         with socket.socket(family) as s:
             try:
                 s.bind((host, port))
-            except OSError:
-                continue
+            except OSError as e:
+                if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                    continue
+                raise  # not a matter of this port (a host that is not local, say)
         return port
     with socket.socket(family) as s:
         s.bind((host, 0))
