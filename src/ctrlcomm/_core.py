@@ -199,6 +199,7 @@ class Core:
             if now < self._live_until:
                 return [], self._live_until
         nxt = float("inf")
+        caught_up = False
         for s in missing:
             if s in self.gone:
                 continue
@@ -210,8 +211,9 @@ class Core:
                 nxt = min(nxt, until)
             if hb is not None and limit is not None:
                 silent = hb.silent_for(s, now)
-                if silent > limit:
+                if silent > limit and not caught_up:
                     hb.catch_up()  # what a long C call of this process kept unread
+                    caught_up = True
                     silent = hb.silent_for(s, now)
                 if silent <= limit:
                     nxt = min(nxt, now + limit - silent + 0.01)
@@ -333,8 +335,8 @@ class Core:
         name = a[0]
         missing = list(self.waiting_for)
         # (what this rank's own probe heard, if it asked before it was told)
-        states = self._peer_states(missing, "not asked (told before this rank's deadline)")
-        detail = "; ".join(f"rank {s}: {v}" for s, v in states.items())
+        states, detail = self._peer_states(missing,
+                                           "not asked (told before this rank's deadline)")
         waiting = f" waiting for ranks {missing} ({detail})" if missing else ""
         return MismatchTimeoutError(
             f"{name} #{seq} on group {self.name!r} cannot complete on rank {self.rank}"
@@ -383,12 +385,7 @@ class Core:
             past = self._recent[self.last[1] % RECENT]
             if past[0] == self.last[1]:
                 seq, flag, op, root = past[0], w.STATUS_RETURNED, past[1], past[2]
-        msg = w.Message(w.STATUS_REP, self.rank, self.group_id, seq, flag, op, root, w.RAW,
-                        self.describe_state().encode())
-        try:
-            self.ep.send(dst, w.encode(msg, self.key))
-        except Exception:  # best effort, as every status message
-            pass
+        self._send_raw(dst, w.STATUS_REP, self.describe_state().encode(), seq, flag, op, root)
 
     def describe_state(self) -> str:
         a = self.active
@@ -400,9 +397,9 @@ class Core:
 
     # -------------------------------------------------------------------------- sending
 
-    def _send_raw(self, dst: int, kind: int, payload: bytes, seq: int = 0, rnd: int = 0
-                  ) -> None:
-        msg = w.Message(kind, self.rank, self.group_id, seq, rnd, payload=payload)
+    def _send_raw(self, dst: int, kind: int, payload: bytes, seq: int = 0, rnd: int = 0,
+                  op: int = 0, root: int = w.NO_ROOT) -> None:
+        msg = w.Message(kind, self.rank, self.group_id, seq, rnd, op, root, payload=payload)
         try:
             self.ep.send(dst, w.encode(msg, self.key))
         except Exception:  # a status or goodbye message is best effort
@@ -685,15 +682,16 @@ class Core:
 
     def _peer_states(self, ranks: list[int],
                      unknown: str = "did not answer (not in a ctrlcomm call, or stuck)"
-                     ) -> dict[int, str]:
-        """What each of ``ranks`` answered it was doing, when last asked."""
-        return {s: self.status.get(s, unknown) for s in ranks}
+                     ) -> tuple[dict[int, str], str]:
+        """What each of ``ranks`` answered it was doing, when last asked, and that in words
+        (``rank 1: in ...; rank 2: ...``)."""
+        states = {s: self.status.get(s, unknown) for s in ranks}
+        return states, "; ".join(f"rank {s}: {v}" for s, v in states.items())
 
     def _timeout(self, name: str, seq: int | None, t: float, missing: list[int]
                  ) -> CollectiveTimeoutError:
-        states = self._peer_states(missing)
+        states, detail = self._peer_states(missing)
         what = f"{name} #{seq}" if seq is not None else name
-        detail = "; ".join(f"rank {s}: {v}" for s, v in states.items())
         text = (f"{what} on group {self.name!r} timed out after {t:g} s on rank {self.rank} "
                 f"waiting for ranks {missing} ({detail})")
         a = self.active
