@@ -108,10 +108,18 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"--from-json {args.from_json}: not the results of a bench run "
                   f"({type(e).__name__}: {e})", file=sys.stderr)
             return 2
-    elif args.rank is not None:
-        if args.host is None or args.port is None or args.world_size is None:
-            print("multi-host mode needs --host, --port, --rank and --world-size",
-                  file=sys.stderr)
+    elif any(v is not None for v in (args.host, args.port, args.rank, args.world_size)):
+        # any of the four means one rank of a multi-host run: never a local run instead
+        missing = [o for o, v in (("--host", args.host), ("--port", args.port),
+                                  ("--rank", args.rank), ("--world-size", args.world_size))
+                   if v is None]
+        if missing:
+            print("multi-host mode needs --host, --port, --rank and --world-size "
+                  f"(missing: {' '.join(missing)})", file=sys.stderr)
+            return 2
+        if args.n is not None:
+            print("-n runs local ranks; it does not go with --host, --port, --rank and "
+                  "--world-size (one rank of a multi-host run)", file=sys.stderr)
             return 2
         if args.rank >= args.world_size:
             print(f"--rank {args.rank} is not a rank of --world-size {args.world_size} "
@@ -137,7 +145,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.against and "star" not in systems and "gloo" in systems \
                 and missing("star") is None:
             systems.append("star")  # all_reduce against Megatron's original design too
-        rows = b.run_local(args.n, systems, cfg, failed=failed)
+        rows = b.run_local(args.n or [2, 4], systems, cfg, failed=failed)
     if rows is None:  # a multi-host rank other than 0: rank 0 prints
         return 0
     if not rows:
@@ -180,8 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.set_defaults(func=_store)
 
     bp = sub.add_parser("bench", help="latency suite (spawns local ranks on loopback)")
-    bp.add_argument("-n", type=_listed(_int_in(1)), default=[2, 4],
-                    help="world sizes, e.g. 2,4,8")
+    bp.add_argument("-n", type=_listed(_int_in(1)),
+                    help="world sizes, e.g. 2,4,8 (default 2,4)")
     bp.add_argument("--ops", default=",".join(("barrier", "all_reduce", "broadcast",
                                                "all_gather", "gather", "scatter",
                                                "all_to_all", "send_recv")))

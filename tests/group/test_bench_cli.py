@@ -53,6 +53,12 @@ def test_bench_rejects_unknown_ops_and_systems():
     (("--host", "127.0.0.1", "--port", "0", "--rank", "0", "--world-size", "2"), "--port"),
     (("--host", "127.0.0.1", "--port", "29999", "--rank", "2", "--world-size", "2"), "--rank 2"),
     (("--host", "127.0.0.1", "--port", "29999", "--rank", "-1", "--world-size", "2"), "--rank"),
+    # any multi-host setting means one rank of a multi-host run, never a local run instead
+    (("--host", "127.0.0.1", "--port", "29999", "--world-size", "2"), "missing: --rank"),
+    (("--host", "127.0.0.1",), "missing: --port --rank --world-size"),
+    (("--world-size", "2",), "missing: --host --port --rank"),
+    (("-n", "2", "--host", "127.0.0.1", "--port", "29999", "--rank", "0", "--world-size", "2"),
+     "-n runs local ranks"),
     (("--from-json", "/nonexistent/r.json"), "/nonexistent/r.json"),
     (("-n", "1", "--json", "/nonexistent/r.json"), "--json /nonexistent/r.json"),
     (("-n", "1", "--plot", "/nonexistent/r.png"), "--plot /nonexistent/r.png"),
