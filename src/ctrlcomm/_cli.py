@@ -110,12 +110,12 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     elif any(v is not None for v in (args.host, args.port, args.rank, args.world_size)):
         # any of the four means one rank of a multi-host run: never a local run instead
-        missing = [o for o, v in (("--host", args.host), ("--port", args.port),
+        absent = [o for o, v in (("--host", args.host), ("--port", args.port),
                                   ("--rank", args.rank), ("--world-size", args.world_size))
                    if v is None]
-        if missing:
+        if absent:
             print("multi-host mode needs --host, --port, --rank and --world-size "
-                  f"(missing: {' '.join(missing)})", file=sys.stderr)
+                  f"(missing: {' '.join(absent)})", file=sys.stderr)
             return 2
         if args.n is not None:
             print("-n runs local ranks; it does not go with --host, --port, --rank and "

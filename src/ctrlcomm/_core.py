@@ -30,6 +30,7 @@ rejected before a seq number is taken, so they leave the group open too.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -53,6 +54,11 @@ from ._transport import COPY_THRESHOLD, Heartbeat, TcpEndpoint, ZmqEndpoint
 # Seconds before a deadline at which a rank asks the peers it waits for what they are doing,
 # so that the timeout error can say it (capped at a tenth of the timeout).
 PROBE_GRACE = 0.25
+# A collective that has waited this long asks the ranks it waits for which call they are in,
+# and again after twice as long each time (1, 3, 7, 15... s into the call): an answer of
+# another collective, or another root, at this seq is a mismatch that no message shows (an
+# all_reduce here, a broadcast there), raised then instead of at the deadline.
+FIRST_PROBE = 1.0
 # A peer that closed the connection we send on is declared lost after this many seconds
 # unless its goodbye (or the end of the stream it sends on) explains it first.
 SUSPECT_GRACE = 1.0
@@ -168,6 +174,8 @@ class Core:
         self.liveness_timeout = liveness_timeout
         self._live_until = 0.0  # until then no peer's heartbeats can be overdue
         self._probed = False  # whether the current step asked the ranks it waits for
+        self._last_probe = -math.inf  # when a collective last asked them early (FIRST_PROBE)
+        self._probe_error: MismatchError | None = None  # the last raised from an answer
         self._looked = False  # whether it read its sockets once more at the deadline
         # messages without a MAC go to a stream endpoint framed in one piece (Core._post)
         self._stream = endpoint.STREAM and not key
@@ -286,6 +294,14 @@ class Core:
             self.status[m.src] = bytes(m.payload).decode(errors="replace")
             if m.round in (w.STATUS_IN_CALL, w.STATUS_RETURNED):
                 self.status_call[m.src] = (seq, op, root)
+                a = self.active
+                # a rank this call waits for is in (or returned from) another call at this
+                # seq: it will never send what this one waits for. (Made again for each
+                # such answer read before the call raises: it names them all.)
+                if a is not None and seq == a[1] and (op != a[2] or root != a[3]) \
+                        and src in self.waiting_for \
+                        and (self.mismatch is None or self.mismatch is self._probe_error):
+                    self.mismatch = self._probe_error = self._probed_mismatch(a)
         elif k == w.BYE:
             self.gone.setdefault(m.src, "closed the group")
         elif k == w.ABORT:
@@ -294,7 +310,7 @@ class Core:
                 # another rank found the ranks out of step: so are the calls of this one
                 desc = reason[len(MISMATCH_PREFIX):]
                 e: MismatchError = self._told_mismatch(seq, desc, m.src) \
-                    if rnd == w.ABORT_AT_DEADLINE \
+                    if rnd == w.ABORT_BY_PROBE \
                     else MismatchError(f"{desc} (reported by rank {m.src})")
                 self.brk(e)
                 self._fail_call(e)
@@ -324,11 +340,11 @@ class Core:
                 f"{describe(op, root)}, rank {m.src} called {describe(m.op, m.root)}")
 
     def _told_mismatch(self, seq: int, desc: str, src: int) -> MismatchError:
-        """The error of a mismatch in collective #``seq`` that rank ``src`` found at its
-        deadline and told: where this rank is in that collective, a
-        :class:`MismatchTimeoutError` like the one it would raise at its own deadline (its
+        """The error of a mismatch in collective #``seq`` that rank ``src`` found by asking the
+        ranks it waited for, and told: where this rank is in that collective, a
+        :class:`MismatchTimeoutError` like the one it would raise on finding it itself (its
         call cannot complete either), else a :class:`MismatchError`."""
-        told = f"{desc} (reported by rank {src}, which found it at its deadline)"
+        told = f"{desc} (reported by rank {src}, which asked the ranks it waited for)"
         a = self.active
         if a is None or a[1] != seq:
             return MismatchError(told)
@@ -336,7 +352,7 @@ class Core:
         missing = list(self.waiting_for)
         # (what this rank's own probe heard, if it asked before it was told)
         states, detail = self._peer_states(missing,
-                                           "not asked (told before this rank's deadline)")
+                                           "not asked (told before this rank asked)")
         waiting = f" waiting for ranks {missing} ({detail})" if missing else ""
         return MismatchTimeoutError(
             f"{name} #{seq} on group {self.name!r} cannot complete on rank {self.rank}"
@@ -471,7 +487,9 @@ class Core:
         self._recent[seq % RECENT] = (seq, opcode, root)
         t = self.timeout if timeout is None else timeout
         deadline = _monotonic() + t
-        probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in _wait
+        probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in _wait, with its first probe
+        if deadline - t + FIRST_PROBE < probe_at:
+            probe_at = deadline - t + FIRST_PROBE
         box = self.box
         ep = self.ep
         try:
@@ -678,7 +696,19 @@ class Core:
                 self.status.pop(s, None)
                 self.status_call.pop(s, None)
                 self._send_raw(s, w.STATUS_REQ, b"")
-        return min(deadline if self._probed else probe_at, suspect_at) - now
+            return min(deadline, suspect_at) - now
+        if seq is not None:  # a collective: ask early, then less and less often
+            start = deadline - t
+            last = self._last_probe
+            early = start + FIRST_PROBE if last < start else 2 * last - start + FIRST_PROBE
+            if now >= early:
+                self._last_probe = now
+                for s in missing:
+                    self._send_raw(s, w.STATUS_REQ, b"")
+                early = 2 * now - start + FIRST_PROBE
+            if early < probe_at:
+                probe_at = early
+        return min(probe_at, suspect_at) - now
 
     def _peer_states(self, ranks: list[int],
                      unknown: str = "did not answer (not in a ctrlcomm call, or stuck)"
@@ -696,20 +726,39 @@ class Core:
                 f"waiting for ranks {missing} ({detail})")
         a = self.active
         if a is not None and seq is not None and a[1] == seq:
-            # a rank waited for that is in (or returned from) another call at this seq will
-            # never send what this one waits for: the timeout is a mismatch
-            other = [(s, c) for s in missing if (c := self.status_call.get(s)) is not None
-                     and c[0] == seq and (c[1], c[2]) != (a[2], a[3])]
-            if other:
-                desc = (f"collective #{seq} mismatch on group {self.name!r}: rank {self.rank} "
-                        f"called {describe(a[2], a[3])}; "
-                        + "; ".join(f"rank {s} called {describe(op, root)}"
-                                    for s, (_, op, root) in other))
+            desc = self._mismatch_desc(a, missing)
+            if desc:  # (found only now: the answers came too late to raise earlier)
                 return MismatchTimeoutError(
                     f"{text}: {desc}", mismatch=desc,
                     op=name, seq=seq, group=self.name, waiting_for=missing, peer_states=states)
         return CollectiveTimeoutError(text, op=name, seq=seq, group=self.name,
                                       waiting_for=missing, peer_states=states)
+
+    def _mismatch_desc(self, a: tuple[str, int, int, int], missing: list[int]) -> str:
+        """Which of ``missing`` said they are in (or returned from) another call than
+        ``a`` (the active one: name, seq, op, root) at its seq, in words ("" if none): such a
+        rank will never send what this one waits for."""
+        seq = a[1]
+        other = [(s, c) for s in missing if (c := self.status_call.get(s)) is not None
+                 and c[0] == seq and (c[1], c[2]) != (a[2], a[3])]
+        if not other:
+            return ""
+        return (f"collective #{seq} mismatch on group {self.name!r}: rank {self.rank} called "
+                f"{describe(a[2], a[3])}; "
+                + "; ".join(f"rank {s} called {describe(op, root)}" for s, (_, op, root) in other))
+
+    def _probed_mismatch(self, a: tuple[str, int, int, int]) -> MismatchTimeoutError:
+        """The error of collective ``a`` (name, seq, op, root) when a rank it waits for
+        answered that it is in another call at this seq: the call cannot complete, as at a
+        timeout, and raises now."""
+        name, seq = a[0], a[1]
+        missing = list(self.waiting_for)
+        states, detail = self._peer_states(missing, "not answered yet")
+        desc = self._mismatch_desc(a, missing)
+        return MismatchTimeoutError(
+            f"{name} #{seq} on group {self.name!r} cannot complete on rank {self.rank} waiting "
+            f"for ranks {missing} ({detail}): {desc}", mismatch=desc,
+            op=name, seq=seq, group=self.name, waiting_for=missing, peer_states=states)
 
     # ------------------------------------------------------------------ point to point
 
@@ -828,7 +877,7 @@ class Core:
             # the description only, and in the header which call and how it was found (a
             # peer of an earlier version reads a plain mismatch)
             self._tell_peers(w.ABORT, f"{MISMATCH_PREFIX}{e.mismatch}", e.seq,
-                             w.ABORT_AT_DEADLINE)
+                             w.ABORT_BY_PROBE)
         else:
             self._tell_peers(w.ABORT, f"{MISMATCH_PREFIX}{e}")
 

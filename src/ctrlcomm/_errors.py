@@ -71,14 +71,17 @@ class MismatchError(CtrlcommError):
 
 
 class MismatchTimeoutError(MismatchError, CollectiveTimeoutError):
-    """A call timed out waiting for ranks that, asked before the deadline, said they were in
-    (or had returned from) another collective, or the same with another root, at this
-    sequence number. Where no rank gets a message of the other call (a ``gather`` whose
-    ranks named different destinations, an ``all_reduce`` on one rank while the others wait
-    in a ``broadcast``), that is how a mismatch shows: at the first deadline, on the rank
-    that reaches it, which tells the others (a rank waiting in that call raises this too, at
-    once; one that returned finds the group broken). Both a :class:`MismatchError` and a
-    :class:`CollectiveTimeoutError` (with its attributes).
+    """A call cannot complete: ranks it waits for, asked, said they were in (or had returned
+    from) another collective, or the same with another root, at this sequence number. Where
+    no rank gets a message of the other call (a ``gather`` whose ranks named different
+    destinations, an ``all_reduce`` on one rank while the others wait in a ``broadcast``),
+    that is how a mismatch shows. A collective that has waited 1 s asks the ranks it waits
+    for which call they are in, again after 3, 7, 15... s and shortly before its deadline;
+    the first rank to hear of another call raises this, before its deadline, and tells the
+    others (a rank waiting in that call raises this too, at once; one that returned finds
+    the group broken). Both a :class:`MismatchError` and a :class:`CollectiveTimeoutError`
+    (with its attributes: a call that cannot complete is as good as timed out, and code
+    that catches timeouts catches it).
 
     Attributes, besides those of :class:`CollectiveTimeoutError`:
         mismatch: which rank called what, e.g. ``"collective #3 mismatch on group 'ctrl':

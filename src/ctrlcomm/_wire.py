@@ -45,8 +45,9 @@ KINDS = frozenset({COLL, P2P, STATUS_REQ, STATUS_REP, ABORT, BYE})
 STATUS_IN_CALL = 1
 STATUS_RETURNED = 2
 # An ABORT whose round is this reports a mismatch (payload: its description, after the
-# mismatch prefix) that its sender found at the deadline of collective #seq
-ABORT_AT_DEADLINE = 1
+# mismatch prefix) that its sender found by asking the ranks it waited for in collective #seq
+# (what they said they were in), not from a message
+ABORT_BY_PROBE = 1
 
 # codecs
 RAW = 0  # payload is bytes, used for control messages

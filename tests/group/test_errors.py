@@ -66,18 +66,19 @@ def test_timeout_reports_what_each_peer_is_doing():
         assert took < 2.0
 
 
-def unseen_mismatch(g, kind, late):
+def unseen_mismatch(g, kind, late, long):
     """Ranks in different calls at one seq where no rank gets a message of the other call:
-    every rank waits. The first to reach its deadline finds the mismatch (what the peers
-    said they were in, asked shortly before) and tells the others; each rank that waits
-    raises an error that is both a mismatch and a timeout, naming the calls. Rank 0's
-    deadline comes first (1.2 s against 1.5), unless ``late``: then it enters 0.6 s after the
-    others, so it cannot have asked anyone by their deadline."""
+    every rank waits. A waiting rank asks the ranks it waits for which call they are in, 1 s
+    into its call (``long``: 30 s timeouts, found long before the deadline), or else shortly
+    before its deadline (0.8 s for rank 0, 1.0 s for the others: rank 0 asks first); the first
+    to hear of another call at its seq raises an error that is both a mismatch and a timeout,
+    naming the calls, and tells the others; each rank that waits raises it too. ``late``:
+    rank 0 enters 0.6 s after the others."""
     r = g.rank
     t0 = time.monotonic()
     if late and r == 0:
         time.sleep(0.6)
-    t = 1.2 if r == 0 and not late else 1.5
+    t = 30.0 if long else 0.8 if r == 0 else 1.0
     try:
         if kind == "all_reduce_vs_broadcast":
             out = g.all_reduce(1, timeout=t) if r == 0 else g.broadcast(None, src=0, timeout=t)
@@ -85,7 +86,7 @@ def unseen_mismatch(g, kind, late):
             out = g.gather(r, dst=0 if r == 0 else 1, timeout=t)
     except ctrlcomm.CollectiveTimeoutError as e:
         took = time.monotonic() - t0
-        time.sleep(max(0.0, 3.0 - took))  # stay until every rank has passed its deadline
+        time.sleep(max(0.0, 3.0 - took))  # stay until every rank has raised
         return ("timeout", isinstance(e, ctrlcomm.MismatchError), str(e), e.op, e.seq,
                 e.waiting_for, e.peer_states, took)
     # rank 2 of the gather sent to its destination (rank 1) and returned; waiting in a recv
@@ -98,31 +99,38 @@ def unseen_mismatch(g, kind, late):
     return ("returned", out, None, None)
 
 
+@pytest.mark.parametrize("long", [True, False], ids=["asked_early", "asked_at_deadline"])
 @pytest.mark.parametrize("late", [False, True], ids=["together", "rank0_late"])
 @pytest.mark.parametrize("kind", ["all_reduce_vs_broadcast", "gather_destinations"])
-def test_a_mismatch_no_rank_receives_shows_at_the_deadline_as_both_errors(kind, late):
-    res = run_group(unseen_mismatch, 3, kind, late)
+def test_a_mismatch_no_rank_receives_is_found_by_asking_and_raised_as_both_errors(
+        kind, late, long):
+    res = run_group(unseen_mismatch, 3, kind, late, long)
     waiting = [0, 1, 2] if kind == "all_reduce_vs_broadcast" else [0, 1]
     for r in waiting:
         what, is_mismatch, msg, op, seq, waited_for, states, took = res[r]
         assert what == "timeout" and is_mismatch, (r, res[r])
-        # at the first deadline (rank 0's, or the others'), not before, not after
-        assert (1.0 if not late else 1.3) < took < 2.0, (r, took)
+        if long:  # at the first question, 1 s into the call: long before the 30 s deadline
+            assert 0.9 < took < 4.0, (r, took)
+        else:  # shortly before the first deadline, not after the last
+            assert 0.6 < took < (1.3 if not late else 1.9), (r, took)
         assert seq == 0 and "mismatch" in msg and waited_for, (r, msg)
         if kind == "all_reduce_vs_broadcast":
             assert "all_reduce(op='sum')" in msg and "broadcast(root=0)" in msg, (r, msg)
         else:
             assert "gather(root=0)" in msg and "gather(root=1)" in msg, (r, msg)
-        if not late:  # rank 0 asked its peers before its deadline, the first, and told
+        if not late and not long:  # rank 0 asked its peers first, and told them
             if r == 0:
                 assert not any(states[s].startswith("did not answer") for s in waited_for)
             else:
-                assert "(reported by rank 0, which found it at its deadline)" in msg, (r, msg)
+                assert "(reported by rank 0, which asked the ranks it waited for)" in msg, \
+                    (r, msg)
     if kind == "gather_destinations":
         # rank 2 returned None (it sent to its destination) and was then told
         assert res[2] == ("returned", None, "MismatchError", res[2][3]), res[2]
-        if not late:  # its answer from the recv: that it returned from gather(root=1) #0
-            assert "rank 1 called gather(root=1); rank 2 called gather(root=1)" in res[0][2]
+        if not late and not long:  # its answer from the recv: it returned from gather(root=1)
+            # (the error names the ranks whose answers it had read when it raised)
+            assert "rank 1 called gather(root=1)" in res[0][2] \
+                or "rank 2 called gather(root=1)" in res[0][2], res[0][2]
 
 
 def late_rank_is_not_a_mismatch(g):

@@ -109,11 +109,131 @@ def test_a_mismatch_read_while_a_root_sends_fails_its_call():
 
 def test_a_mismatch_found_at_a_deadline_is_told_as_one_to_a_rank_in_that_call():
     desc = "collective #0 mismatch on group 'g': rank 0 called all_reduce(op='sum'); ..."
-    told = w.Message(w.ABORT, 0, GID, 0, w.ABORT_AT_DEADLINE,
+    told = w.Message(w.ABORT, 0, GID, 0, w.ABORT_BY_PROBE,
                      payload=(MISMATCH_PREFIX + desc).encode())
     g = group(1, 3, ScriptedEndpoint([[told]]))
     with pytest.raises(ctrlcomm.MismatchTimeoutError) as e:
         g.broadcast(None, src=0)
     assert e.value.mismatch == desc and e.value.seq == 0 and e.value.op == "broadcast"
     assert e.value.waiting_for == [0] and "not asked" in e.value.peer_states[0]
-    assert "(reported by rank 0, which found it at its deadline)" in str(e.value)
+    assert "(reported by rank 0, which asked the ranks it waited for)" in str(e.value)
+
+
+class Clock:
+    """The core's clock, moved on by the endpoint's waits (a wait sleeps its whole timeout
+    unless answers are due)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class ProbedEndpoint(ScriptedEndpoint):
+    """Records when a status request goes to whom; ``answers`` maps the number of the
+    request (0, 1...) to the messages that come back with the next read."""
+
+    def __init__(self, clock, answers=None):
+        super().__init__([])
+        self.clock = clock
+        self.answers = dict(answers or {})
+        self.asked = []
+
+    def send(self, dst, frames):
+        m = w.decode(frames)
+        if m.kind == w.STATUS_REQ:
+            self.answers_due = getattr(self, "answers_due", []) + \
+                self.answers.pop(len(self.asked), [])
+            self.asked.append((round(self.clock.now - 1000.0, 3), dst))
+
+    def drain(self, sink):
+        got, self.answers_due = getattr(self, "answers_due", []), []
+        for m in got:
+            sink(m)
+        return len(got)
+
+    def wait(self, timeout):
+        if not getattr(self, "answers_due", None):  # else the answers wake it at once
+            self.clock.now += max(timeout, 0.0)
+
+
+def status_from(src, seq, opname, root, flag):
+    op = w.OP_CODE[opname] | (1 << 4 if opname == "all_reduce" else 0)  # (op="sum")
+    return w.Message(w.STATUS_REP, src, GID, seq, flag, op, root, payload=b"(state)")
+
+
+def test_a_waiting_collective_asks_early_then_less_and_less_often(monkeypatch):
+    """Nothing arrives: the call asks the rank it waits for 1, 3, 7 and 15 s into its call,
+    then shortly before its 20 s deadline, and times out then (a plain timeout: nobody
+    answered)."""
+    clock = Clock()
+    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    ep = ProbedEndpoint(clock)
+    g = group(1, 2, ep)
+    with pytest.raises(ctrlcomm.CollectiveTimeoutError) as e:
+        g.broadcast(None, src=0, timeout=20.0)
+    assert not isinstance(e.value, ctrlcomm.MismatchError)
+    assert ep.asked == [(1.0, 0), (3.0, 0), (7.0, 0), (15.0, 0), (19.75, 0)]
+    assert clock.now - 1000.0 == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("flag", [w.STATUS_IN_CALL, w.STATUS_RETURNED], ids=["in", "returned"])
+def test_an_answer_of_another_call_at_this_seq_raises_the_mismatch_at_once(monkeypatch, flag):
+    """Asked 1 s into the call, rank 0 says it is in (or returned from) gather(root=0) #0
+    while this rank waits in broadcast(root=0) #0: a mismatch and a timeout, raised then,
+    19 s before the deadline, and told to the others."""
+    clock = Clock()
+    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    ep = ProbedEndpoint(clock, {0: [status_from(0, 0, "gather", 0, flag)]})
+    told = []
+    g = group(1, 3, ep)
+    monkeypatch.setattr(g._core, "_tell_peers", lambda *a: told.append(a))
+    with pytest.raises(ctrlcomm.MismatchTimeoutError) as e:
+        g.broadcast(None, src=0, timeout=20.0)
+    assert clock.now - 1000.0 == pytest.approx(1.0)
+    assert e.value.seq == 0 and e.value.waiting_for == [0] and e.value.op == "broadcast"
+    assert e.value.mismatch.endswith("rank 1 called broadcast(root=0); "
+                                     "rank 0 called gather(root=0)"), e.value.mismatch
+    assert "cannot complete" in str(e.value) and e.value.mismatch in str(e.value)
+    assert g.broken
+    assert [(kind, seq, rnd) for kind, _, seq, rnd in told] == [(w.ABORT, 0, w.ABORT_BY_PROBE)]
+
+
+@pytest.mark.parametrize("answer", [
+    ("broadcast", 0, 0),  # in the same call (waiting for another rank)
+    ("gather", 0, -1),  # in another call at an earlier seq: merely late
+], ids=["same_call", "earlier_seq"])
+def test_an_answer_that_shows_no_mismatch_lets_the_call_wait_on(monkeypatch, answer):
+    """A peer in this very call, or in another call of an earlier seq (late), is no
+    mismatch: the call goes on waiting and completes when the message comes."""
+    opname, root, dseq = answer
+    clock = Clock()
+    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    ep = ProbedEndpoint(clock, {
+        1: [status_from(0, 1 + dseq, opname, root, w.STATUS_IN_CALL)],
+        2: [bcast_from(0, 1, "late but here")]})
+    g = group(1, 2, ep)
+    g._core.seq = 1  # (this call is #1)
+    assert g.broadcast(None, src=0, timeout=20.0) == "late but here"
+    assert clock.now - 1000.0 == pytest.approx(7.0) and not g.broken
+
+
+def test_the_error_names_every_rank_whose_answer_showed_another_call(monkeypatch):
+    """Rank 0, the center of a star all_reduce, waits for ranks 1-3 and asks them 1 s in:
+    rank 1 is in a gather, rank 2 returned from one, rank 3 is in this all_reduce (waiting
+    for rank 0: no mismatch). One read brings the three answers: the error names 1 and 2."""
+    clock = Clock()
+    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    ep = ProbedEndpoint(clock, {0: [status_from(1, 0, "gather", 0, w.STATUS_IN_CALL)],
+                                1: [status_from(2, 0, "gather", 0, w.STATUS_RETURNED)],
+                                2: [status_from(3, 0, "all_reduce", w.NO_ROOT,
+                                                w.STATUS_IN_CALL)]})
+    g = group(0, 4, ep)
+    monkeypatch.setattr(g._core, "_tell_peers", lambda *a: None)
+    with pytest.raises(ctrlcomm.MismatchTimeoutError) as e:
+        g.all_reduce(1, op="sum", timeout=20.0)
+    assert ep.asked == [(1.0, 1), (1.0, 2), (1.0, 3)]
+    assert e.value.waiting_for == [1, 2, 3]
+    assert e.value.mismatch.endswith("rank 1 called gather(root=0); rank 2 called "
+                                     "gather(root=0)"), e.value.mismatch
