@@ -65,7 +65,8 @@ _SUFFIXES = tuple((p + end, m) for p, m in (("K", 1024), ("M", 1024**2), ("G", 1
 
 def parse_size(text: str) -> int:
     """Bytes from ``8``, ``8B``, ``1K``, ``64K``, ``1M``, ``2MiB``, ``1.5k`` (powers of 1024).
-    Raises ValueError naming the text for anything else, a negative size among them."""
+    Raises ValueError naming the text for anything else: a size below one byte or not a
+    whole number of bytes among them (size 0 stands for the ops without a payload)."""
     t = text.strip().upper()
     mult = 1
     for end, m in _SUFFIXES:
@@ -76,8 +77,9 @@ def parse_size(text: str) -> int:
         n = float(t)
     except ValueError:
         n = float("nan")
-    if not n >= 0 or n == float("inf"):  # (nan fails the comparison)
-        raise ValueError(f"not a payload size: {text!r} (e.g. 8, 1K, 64K, 1M)")
+    if not n > 0 or n == float("inf") or n * mult != int(n * mult):  # (nan fails n > 0)
+        raise ValueError(f"not a payload size: {text!r} (a whole number of bytes >= 1, "
+                         "e.g. 8, 1K, 64K, 1M)")
     return int(n * mult)
 
 
@@ -91,8 +93,8 @@ def check_cfg(cfg: Mapping[str, Any]) -> None:
         if type(v) is not int or v < least:
             raise ValueError(f"{key} must be an integer >= {least}, got {v!r}")
     for size in cfg["sizes"]:
-        if type(size) is not int or size < 0:
-            raise ValueError(f"sizes must be integers >= 0 (bytes), got {size!r}")
+        if type(size) is not int or size < 1:
+            raise ValueError(f"sizes must be integers >= 1 (bytes), got {size!r}")
 
 
 def fmt_size(n: int) -> str:
@@ -115,10 +117,11 @@ def payload(op: str, size: int, rank: int, i: int) -> Any:
 
 
 def op_sizes(ops: list[str], sizes: list[int]) -> list[tuple[str, int]]:
+    """Each (op, size) to measure, once, in the order given (size 0: an op without one)."""
     out = []
-    for op in ops:
+    for op in dict.fromkeys(ops):
         if op in SIZED_OPS:
-            out += [(op, s) for s in sizes]
+            out += [(op, s) for s in dict.fromkeys(sizes)]
         else:
             out.append((op, 0))
     return out
@@ -322,8 +325,9 @@ def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
     """One line per (op, size, world size); one column group per system."""
     base = systems[0]
     head = f"{'op':<11}{'size':>6}{'N':>4}"
+    width = {s: max(16, len(s) + 5) for s in systems}  # (a long name widens its column)
     for s in systems:
-        head += f" | {s + ' med':>16}{'p99':>9}{'cpu':>8}"
+        head += f" | {s + ' med':>{width[s]}}{'p99':>9}{'cpu':>8}"
         if s != base:
             head += f"{'x':>7}"
     lines = [head, "-" * len(head)]
@@ -337,9 +341,11 @@ def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
         for s in systems:
             r = index.get((s, op, size, n))
             if r is None:
-                line += f" | {'n/a':>16}{'':>9}{'':>8}" + ("" if s == base else f"{'':>7}")
+                line += f" | {'n/a':>{width[s]}}{'':>9}{'':>8}" + \
+                    ("" if s == base else f"{'':>7}")
                 continue
-            line += f" | {r['median_us']:>14.1f}us{r['p99_us']:>7.0f}us{r['cpu_us']:>6.0f}us"
+            line += (f" | {r['median_us']:>{width[s] - 2}.1f}us{r['p99_us']:>7.0f}us"
+                     f"{r['cpu_us']:>6.0f}us")
             if s != base:
                 line += f"{r['median_us'] / ref['median_us']:>6.1f}x" if ref else f"{'-':>7}"
         lines.append(line)
@@ -392,6 +398,7 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
     bad = [n for n in world_sizes if type(n) is not int or n < 1]
     if bad or not world_sizes:
         raise ValueError(f"world sizes must be integers >= 1, got {bad or world_sizes}")
+    world_sizes = list(dict.fromkeys(world_sizes))
     plan = op_sizes(cfg["ops"], cfg["sizes"])
     repeat = max(int(cfg.get("repeat", 1)), 1)
     bar = _Progress(len(plan) * len(world_sizes) * len(systems) * repeat, stream)
@@ -475,30 +482,80 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
     return rows
 
 
-def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any]
-                  ) -> list[dict[str, Any]] | None:
+SETTINGS = ("ops", "sizes", "iters", "warmup", "aio", "repeat", "transport")
+
+
+def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
+                  stream: Any = sys.stderr) -> list[dict[str, Any]] | None:
     """Run this rank of a multi-host ctrlcomm benchmark; rank 0 returns the rows.
 
-    Rank 0 hosts the store at ``(host, port)``; per-rank figures travel to rank 0 through a
-    ctrlcomm group of their own.
+    Rank 0 serves the store at ``(host, port)`` for the whole run. The ranks first compare
+    their settings (ValueError naming the ranks and settings that differ: they would wait
+    for each other in different calls); per-rank figures travel to rank 0 through a ctrlcomm
+    group of their own. Rank 0 shows a progress bar on ``stream``.
     """
     from . import Group
+    from ._transport import StoreServer
 
     check_cfg(cfg)
     if type(n) is not int or n < 1 or type(rank) is not int or not 0 <= rank < n:
         raise ValueError(f"rank {rank!r} of world size {n!r}: the world size must be >= 1 "
                          "and the rank in [0, world size)")
+    systems = ("ctrlcomm", "ctrlcomm-aio") if cfg.get("aio") else ("ctrlcomm",)
+    repeat = max(int(cfg.get("repeat", 1)), 1)
+    plan = op_sizes(cfg["ops"], cfg["sizes"])
+    bar = _Progress(len(plan) * len(systems) * repeat, stream) if rank == 0 else None
+
+    def group(name: str) -> Any:
+        return Group.create(host, port, rank, n, name=name, host_store=False, timeout=300)
+
+    srv = StoreServer(host, port) if rank == 0 else None
+    try:
+        mine = {k: cfg.get(k) for k in SETTINGS}
+        with group("bench-settings") as g:
+            everyone = g.all_gather(mine)
+        differ = {r: {k: v for k, v in c.items() if v != mine[k]}
+                  for r, c in enumerate(everyone) if c != mine}
+        if differ:
+            raise ValueError(
+                f"the ranks run different settings (rank {rank}: "
+                + ", ".join(f"{k}={v!r}" for k, v in mine.items()) + "); "
+                + "; ".join(f"rank {r}: " + ", ".join(f"{k}={v!r}" for k, v in d.items())
+                            for r, d in differ.items())
+                + ": start every rank with the same options")
+        got: dict[str, list[Results]] = {}  # each system's figures, one entry per rank
+        each: dict[str, list[Results]] = {s: [] for s in systems}
+        for i in range(repeat):
+            for system in systems:
+                c = dict(cfg, host=host, port=port, host_store=False, tag=f"{system}-{i}")
+
+                def progress(op: str, size: int, system: str = system) -> None:
+                    if bar is not None:
+                        bar.step(f"{system} N={n} {op} {fmt_size(size) if size else ''}")
+
+                with one_thread_pools():  # this process is the rank: its own environment
+                    r = SYSTEMS[system](rank, n, c, progress)
+                with group(f"results-{system}-{i}") as g:
+                    all_ranks = g.gather(r, dst=0)
+                if all_ranks is not None:
+                    each[system].append(summarize(all_ranks))
+                    got[system] = all_ranks if system not in got \
+                        else merge(got[system], all_ranks)
+        if bar is not None:
+            bar.end()
+    finally:
+        if srv is not None:
+            srv.close()
+    if rank != 0:
+        return None
     rows = []
-    for system in ("ctrlcomm", "ctrlcomm-aio") if cfg.get("aio") else ("ctrlcomm",):
-        c = dict(cfg, host=host, port=port, host_store=True, tag=system)
-        with one_thread_pools():  # this process is the rank: its own environment
-            mine = SYSTEMS[system](rank, n, c, lambda op, size: None)
-        with Group.create(host, port, rank, n, name=f"results-{system}", timeout=300) as g:
-            everyone = g.gather(mine, dst=0)
-        if everyone is not None:
-            for (op, size), fig in summarize(everyone).items():
-                rows.append({"system": system, "op": op, "size": size, "world_size": n, **fig})
-    return rows if rank == 0 else None
+    for system in systems:
+        for (op, size), fig in summarize(got[system]).items():
+            row = {"system": system, "op": op, "size": size, "world_size": n, **fig}
+            if repeat > 1:
+                row["repeat_median_us"] = [e[(op, size)]["median_us"] for e in each[system]]
+            rows.append(row)
+    return rows
 
 
 def plot(path: str, rows: list[dict[str, Any]]) -> None:
@@ -554,7 +611,24 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
     handles = [Line2D([], [], color=color[name], marker="o", label=name) for name in systems]
     fig.legend(handles=handles, loc="upper center", ncol=len(systems), fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=110)
+    ext = os.path.splitext(path)[1][1:].lower()
+    fig.savefig(path, dpi=110, format=ext or "png")  # (no extension: a PNG, at that path)
+
+
+def check_plot(path: str) -> None:
+    """Raise before a run what :func:`plot` would raise after it: ImportError without
+    matplotlib, ValueError for a file type it cannot write."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ext = os.path.splitext(path)[1][1:].lower()
+    kinds = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if ext and ext not in kinds:
+        raise ValueError(f"matplotlib cannot write .{ext} files (it writes "
+                         f"{', '.join('.' + k for k in sorted(kinds))})")
 
 
 def read_json(path: str) -> list[dict[str, Any]]:
@@ -569,14 +643,33 @@ def read_json(path: str) -> list[dict[str, Any]]:
         lacks = [k for k in need if not isinstance(r, dict) or k not in r]
         if lacks:
             raise ValueError(f"results[{i}] lacks {', '.join(lacks)}")
+        bad = [k for k, ok in (
+            ("system", isinstance(r["system"], str)), ("op", r["op"] in DEFAULT_OPS),
+            ("size", type(r["size"]) is int and r["size"] >= 0),
+            ("world_size", type(r["world_size"]) is int and r["world_size"] >= 1),
+            *((k, type(r[k]) in (int, float) and r[k] >= 0 and r[k] == r[k]
+               and (k != "median_us" or r[k] > 0)) for k in ("median_us", "p99_us", "cpu_us")),
+        ) if not ok]
+        if bad:
+            raise ValueError(f"results[{i}] has a bad " + ", ".join(
+                f"{k} ({r[k]!r})" for k in bad))
     return rows
 
 
+def read_config(path: str) -> dict[str, Any]:
+    """The settings a saved run recorded (after :func:`read_json` accepted the file)."""
+    with open(path) as f:
+        c = json.load(f).get("config")
+    return c if isinstance(c, dict) else {}
+
+
 def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
-    meta = {k: v for k, v in cfg.items()
-            if k in ("ops", "sizes", "iters", "warmup", "aio", "repeat")}
-    meta["python"] = sys.version.split()[0]
-    meta["cpus"] = os.cpu_count()
-    meta["when"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    meta = {k: v for k, v in cfg.items() if k in SETTINGS + ("world_sizes", "against")}
+    meta.setdefault("python", sys.version.split()[0])
+    meta.setdefault("cpus", os.cpu_count())
+    meta.setdefault("when", time.strftime("%Y-%m-%dT%H:%M:%S"))
+    for k, v in cfg.items():  # (what a saved run recorded, shown again: kept as it was)
+        if k in ("python", "cpus", "when"):
+            meta[k] = v
     with open(path, "w") as f:
         json.dump({"config": meta, "results": rows}, f, indent=1)

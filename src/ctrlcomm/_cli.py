@@ -79,9 +79,31 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# the run settings of `ctrlcomm bench` and their defaults (None in the parser: so that what
+# was given can be told from what was not)
+BENCH_DEFAULTS: dict[str, Any] = {
+    "ops": ",".join(("barrier", "all_reduce", "broadcast", "all_gather", "gather", "scatter",
+                     "all_to_all", "send_recv")),
+    "sizes": [8], "iters": 1000, "warmup": 100, "repeat": 1, "transport": "tcp"}
+RUN_OPTIONS = {"n": "-n", "ops": "--ops", "sizes": "--sizes", "iters": "--iters",
+               "warmup": "--warmup", "repeat": "--repeat", "aio": "--aio",
+               "against": "--against", "transport": "--transport", "host": "--host",
+               "port": "--port", "rank": "--rank", "world_size": "--world-size"}
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import _bench as b
+    from ._errors import CtrlcommError
 
+    if args.from_json:
+        given = [o for k, o in RUN_OPTIONS.items() if getattr(args, k) not in (None, False)]
+        if given:
+            print(f"--from-json shows a saved run and runs nothing: {' '.join(given)} "
+                  "do not go with it", file=sys.stderr)
+            return 2
+    for k, v in BENCH_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     cfg = {"ops": [o.strip() for o in args.ops.split(",") if o.strip()], "sizes": args.sizes,
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
            "transport": args.transport, "repeat": args.repeat}
@@ -93,16 +115,27 @@ def _bench(args: argparse.Namespace) -> int:
     systems = ["ctrlcomm"] + (["ctrlcomm-aio"] if args.aio else [])
     failed: dict[tuple[str, int], str] = {}  # (system, world size): why its run failed
     rows: list[dict[str, Any]] | None
+    # found out before the run, not after it
     for opt, path in (("--json", args.json), ("--plot", args.plot)):
-        # found out before the run, not after it
         folder = os.path.dirname(os.path.abspath(path)) if path else ""
-        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            print(f"{opt} {path}: cannot write there (no such folder, or not writable)",
-                  file=sys.stderr)
+        if path and (os.path.isdir(path) or not (os.path.isdir(folder)
+                                                 and os.access(folder, os.W_OK))):
+            print(f"{opt} {path}: cannot write there (a folder, no such folder, or not "
+                  "writable)", file=sys.stderr)
+            return 2
+    if args.plot:
+        try:
+            b.check_plot(args.plot)
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'ctrlcomm[plot]'", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"--plot {args.plot}: {e}", file=sys.stderr)
             return 2
     if args.from_json:
         try:
             rows = b.read_json(args.from_json)
+            cfg = b.read_config(args.from_json)  # (what --json writes again)
             systems = list(dict.fromkeys(r["system"] for r in rows))
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"--from-json {args.from_json}: not the results of a bench run "
@@ -111,8 +144,8 @@ def _bench(args: argparse.Namespace) -> int:
     elif any(v is not None for v in (args.host, args.port, args.rank, args.world_size)):
         # any of the four means one rank of a multi-host run: never a local run instead
         absent = [o for o, v in (("--host", args.host), ("--port", args.port),
-                                  ("--rank", args.rank), ("--world-size", args.world_size))
-                   if v is None]
+                                 ("--rank", args.rank), ("--world-size", args.world_size))
+                  if v is None]
         if absent:
             print("multi-host mode needs --host, --port, --rank and --world-size "
                   f"(missing: {' '.join(absent)})", file=sys.stderr)
@@ -127,7 +160,19 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
         if args.against:
             print("--against runs only with local ranks (-n); ignoring it", file=sys.stderr)
-        rows = b.run_multihost(args.host, args.port, args.rank, args.world_size, cfg)
+        if args.rank != 0 and (args.json or args.plot):
+            print("--json and --plot are written by rank 0; ignoring them here",
+                  file=sys.stderr)
+        try:
+            rows = b.run_multihost(args.host, args.port, args.rank, args.world_size, cfg)
+        except ValueError as e:  # the ranks were started with different settings
+            print(f"ctrlcomm bench: {e}", file=sys.stderr)
+            return 2
+        except CtrlcommError as e:  # the port is taken, a rank never came, one failed...
+            print(f"ctrlcomm bench (rank {args.rank}): {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return 1
+        cfg["world_sizes"] = [args.world_size]
     else:
         from ._baselines import missing
 
@@ -140,12 +185,14 @@ def _bench(args: argparse.Namespace) -> int:
             why = missing(other)
             if why:
                 print(f"skipping {other}: {why}", file=sys.stderr)
-            else:
+            elif other not in systems:
                 systems.append(other)
         if args.against and "star" not in systems and "gloo" in systems \
                 and missing("star") is None:
             systems.append("star")  # all_reduce against Megatron's original design too
-        rows = b.run_local(args.n or [2, 4], systems, cfg, failed=failed)
+        cfg["world_sizes"] = list(dict.fromkeys(args.n or [2, 4]))
+        cfg["against"] = systems[1 + bool(args.aio):]
+        rows = b.run_local(cfg["world_sizes"], systems, cfg, failed=failed)
     if rows is None:  # a multi-host rank other than 0: rank 0 prints
         return 0
     if not rows:
@@ -162,17 +209,32 @@ def _bench(args: argparse.Namespace) -> int:
             return 1
         print(f"wrote {args.json}")
     if args.plot:
-        try:
-            b.plot(args.plot, rows)
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print("--plot needs matplotlib: pip install 'ctrlcomm[plot]'", file=sys.stderr)
-            return 1
+        b.plot(args.plot, rows)
+        print(f"wrote {args.plot}")
     if failed:
         print("left out, their runs failed: " + ", ".join(f"{s} at {n} ranks"
                                                           for s, n in failed), file=sys.stderr)
         return 1
     return 0
+
+
+def _bench_main(args: argparse.Namespace) -> int:
+    """:func:`_bench`, ended cleanly by SIGTERM as by Ctrl-C: the ranks it started are
+    stopped (by pid, in the runner's cleanup) and it exits with 128 + the signal."""
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _bench(args)
+    except KeyboardInterrupt:
+        print("\nctrlcomm bench: interrupted; the ranks it started are stopped",
+              file=sys.stderr)
+        return 130
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,32 +251,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bp = sub.add_parser("bench", help="latency suite (spawns local ranks on loopback)")
     bp.add_argument("-n", type=_listed(_int_in(1)),
-                    help="world sizes, e.g. 2,4,8 (default 2,4)")
-    bp.add_argument("--ops", default=",".join(("barrier", "all_reduce", "broadcast",
-                                               "all_gather", "gather", "scatter",
-                                               "all_to_all", "send_recv")))
-    bp.add_argument("--sizes", type=_listed(_size), default=[8],
-                    help="payload sizes, e.g. 8,1K,64K,1M")
-    bp.add_argument("--iters", type=_int_in(1), default=1000)
-    bp.add_argument("--warmup", type=_int_in(0), default=100)
-    bp.add_argument("--repeat", type=_int_in(1), default=1,
+                    help="world sizes of local runs, e.g. 2,4,8 (default 2,4)")
+    bp.add_argument("--ops", help="the ops to measure, comma-separated (default: all: "
+                                  f"{BENCH_DEFAULTS['ops']})")
+    bp.add_argument("--sizes", type=_listed(_size),
+                    help="payload sizes of the ops that carry data, e.g. 8,1K,64K,1M "
+                         "(default 8)")
+    bp.add_argument("--iters", type=_int_in(1), help="timed calls per op (default 1000)")
+    bp.add_argument("--warmup", type=_int_in(0),
+                    help="untimed calls per op before them (default 100)")
+    bp.add_argument("--repeat", type=_int_in(1),
                     help="run the systems in turn this many times and pool their samples "
-                         "(evens out slow spells of a shared machine)")
+                         "(evens out slow spells of a shared machine; default 1)")
     bp.add_argument("--aio", action="store_true",
                     help="also run the awaited (asyncio) variant, in its own column")
     bp.add_argument("--against", help="compare with: gloo,mpi,store,star (star: all_reduce "
                                       "as Megatron's original; added with gloo); "
                                       "ctrlcomm-nohb, ctrlcomm-hb10ms: ctrlcomm without "
                                       "heartbeats, with one every 10 ms")
-    bp.add_argument("--plot", help="write a PNG plot (needs matplotlib)")
+    bp.add_argument("--plot", help="write a plot (PNG unless the name says another type "
+                                   "matplotlib writes; needs matplotlib)")
     bp.add_argument("--from-json", help="show the table (and --plot) of a saved run; run nothing")
-    bp.add_argument("--transport", default="tcp", choices=["tcp", "zmq"])
+    bp.add_argument("--transport", choices=["tcp", "zmq"], help="ctrlcomm's (default tcp)")
     bp.add_argument("--json", help="write results to this file")
-    bp.add_argument("--host")
-    bp.add_argument("--port", type=_port_from(1))
-    bp.add_argument("--rank", type=_int_in(0))
-    bp.add_argument("--world-size", type=_int_in(1))
-    bp.set_defaults(func=_bench)
+    bp.add_argument("--host", help="multi-host run: the address rank 0 serves the store on")
+    bp.add_argument("--port", type=_port_from(1), help="multi-host run: the store's port")
+    bp.add_argument("--rank", type=_int_in(0), help="multi-host run: this process's rank")
+    bp.add_argument("--world-size", type=_int_in(1),
+                    help="multi-host run: the number of ranks (one process each, started "
+                         "with the same options)")
+    bp.set_defaults(func=_bench_main)
 
     args = p.parse_args(argv)
     return int(args.func(args))

@@ -59,6 +59,11 @@ def test_bench_rejects_unknown_ops_and_systems():
     (("--world-size", "2",), "missing: --host --port --rank"),
     (("-n", "2", "--host", "127.0.0.1", "--port", "29999", "--rank", "0", "--world-size", "2"),
      "-n runs local ranks"),
+    (("--sizes", "0"), "'0'"), (("--sizes", "0.1"), "'0.1'"), (("--sizes", "1.5"), "'1.5'"),
+    (("-n", "1", "--plot", "r.txt"), "--plot r.txt: matplotlib cannot write .txt"),
+    (("-n", "1", "--json", "/tmp"), "--json /tmp: cannot write there"),
+    (("--from-json", "r.json", "-n", "8", "--iters", "7", "--aio"),
+     "-n --iters --aio do not go with it"),
     (("--from-json", "/nonexistent/r.json"), "/nonexistent/r.json"),
     (("-n", "1", "--json", "/nonexistent/r.json"), "--json /nonexistent/r.json"),
     (("-n", "1", "--plot", "/nonexistent/r.png"), "--plot /nonexistent/r.png"),
@@ -70,8 +75,13 @@ def test_bench_rejects_bad_settings_naming_them_before_it_runs_anything(args, na
 
 
 def test_bench_from_json_rejects_what_a_run_did_not_write(tmp_path):
+    row = {"system": "ctrlcomm", "op": "barrier", "size": 0, "world_size": 2,
+           "median_us": 10.0, "p99_us": 20.0, "cpu_us": 5.0}
+    bad_values = [json.dumps({"results": [dict(row, **{k: v})]}) for k, v in (
+        ("median_us", "12"), ("median_us", None), ("median_us", 0), ("size", "8"),
+        ("world_size", 0), ("op", "allreduce"), ("cpu_us", -1))]
     for i, text in enumerate(("not json", "{}", '{"results": []}',
-                              '{"results": [{"system": "ctrlcomm"}]}')):
+                              '{"results": [{"system": "ctrlcomm"}]}', *bad_values)):
         f = tmp_path / f"r{i}.json"
         f.write_text(text)
         p = run("--from-json", str(f), timeout=60)
@@ -162,7 +172,7 @@ def test_bench_multihost_mode_one_process_per_rank(tmp_path):
     out = tmp_path / "mh.json"
     common = ["--host", "127.0.0.1", "--port", str(free_port()), "--world-size", "3",
               "--ops", "barrier,all_reduce,send_recv", "--iters", "10", "--warmup", "2",
-              "--aio"]
+              "--aio", "--repeat", "2"]
     procs = [subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", *common,
                                "--rank", str(r), *(["--json", str(out)] if r == 0 else [])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -182,6 +192,9 @@ def test_bench_multihost_mode_one_process_per_rank(tmp_path):
         (s, op, 3) for s in ("ctrlcomm", "ctrlcomm-aio")
         for op in ("barrier", "all_reduce", "send_recv")}
     assert all(r["median_us"] > 0 for r in rows)
+    # --repeat: the systems took turns twice, each turn's median beside the pooled one
+    assert all(len(r["repeat_median_us"]) == 2 for r in rows)
+    assert "12/12" in outs[2][1]  # rank 0's progress bar: 3 ops x 2 systems x 2 turns
 
 
 def test_bench_repeat_pools_the_samples_of_alternating_runs(tmp_path):
@@ -349,3 +362,107 @@ def test_mpiexec_past_its_timeout_is_killed_with_everything_it_started(tmp_path,
         time.sleep(0.1)
     else:
         raise AssertionError(f"the rank mpiexec started ({rank}) still runs")
+
+
+def test_bench_from_json_with_json_writes_the_saved_runs_settings(tmp_path):
+    out, again = tmp_path / "r.json", tmp_path / "again.json"
+    p = run("-n", "2", "--ops", "barrier", "--iters", "5", "--warmup", "1", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    shown = run("--from-json", str(out), "--json", str(again), timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    saved, copy = json.loads(out.read_text()), json.loads(again.read_text())
+    assert copy == saved
+    assert saved["config"]["iters"] == 5 and saved["config"]["world_sizes"] == [2]
+
+
+def test_bench_counts_each_world_size_op_and_size_once_and_names_the_plot_it_writes(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "plot"  # (no extension: a PNG at that name)
+    p = run("-n", "2,2", "--ops", "barrier,broadcast,barrier", "--sizes", "8,8", "--iters",
+            "3", "--warmup", "0", "--json", str(out), "--plot", str(png))
+    assert p.returncode == 0, p.stderr
+    keys = [(r["system"], r["op"], r["size"], r["world_size"])
+            for r in json.loads(out.read_text())["results"]]
+    assert sorted(keys) == [("ctrlcomm", "barrier", 0, 2), ("ctrlcomm", "broadcast", 8, 2)]
+    assert f"wrote {png}" in p.stdout and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
+    """SIGTERM: the bench stops its ranks (by pid) and exits with 130; SIGKILL, where no
+    cleanup runs: each rank ends with it (its parent-death signal)."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", "-n", "3", "--ops",
+                          "barrier", "--iters", "10000000", "--warmup", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks = []
+    try:
+        t = time.monotonic()
+        while time.monotonic() - t < 60:  # the ranks (and multiprocessing's tracker) start
+            ranks = [c for c in _children(p.pid) if c != p.pid]
+            if len(ranks) >= 3:
+                break
+            time.sleep(0.2)
+        assert len(ranks) >= 3, ranks
+        time.sleep(1.0)
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=30)
+        if sig == "SIGTERM":
+            assert p.returncode == 130 and "interrupted" in err, (p.returncode, err)
+        t = time.monotonic()
+        while any(_alive(r) for r in ranks) and time.monotonic() - t < 10:
+            time.sleep(0.1)
+        assert not [r for r in ranks if _alive(r)]
+    finally:
+        for pid in [p.pid, *ranks]:  # (only what this test started)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_bench_multihost_ranks_with_different_settings_say_so(tmp_path):
+    from ctrlcomm.testing import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", "--host", "127.0.0.1",
+                               "--port", port, "--world-size", "2", "--rank", str(r),
+                               "--ops", "barrier", "--iters", str(5 + r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (1, 0)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 2, err
+        assert "different settings" in err and "iters=5" in err and "iters=6" in err, err
+
+
+def test_bench_multihost_reports_a_taken_port_in_a_line():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        p = run("--host", "127.0.0.1", "--port", str(s.getsockname()[1]), "--rank", "0",
+                "--world-size", "1", "--iters", "2", timeout=60)
+    assert p.returncode == 1 and "address already in use" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

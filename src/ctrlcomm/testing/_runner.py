@@ -9,6 +9,7 @@ import queue
 import random
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -82,8 +83,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _tie_to_parent(parent: int) -> None:
+    """End this process when its parent ends (Linux: PR_SET_PDEATHSIG), so that ranks never
+    outlive a runner killed before its cleanup ran (SIGKILL, say); and leave Ctrl-C to the
+    parent, which stops its ranks by pid (else every rank prints its KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # it ended before that
+        os._exit(1)
+
+
 def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
-           kwargs: dict[str, Any], q: Any) -> None:
+           kwargs: dict[str, Any], q: Any, parent: int | None = None) -> None:
+    if parent is not None:
+        _tie_to_parent(parent)
     try:
         out = fn(rank, size, *args, **kwargs)
     except BaseException as e:
@@ -112,7 +132,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     ctx: Any = mp.get_context(start_method)
     q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, kwargs, q), daemon=True)
+    # (the death signal follows the thread that started a process: only the main thread's
+    # ranks are tied to it)
+    parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, kwargs, q, parent),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -160,6 +184,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     if r not in results:
                         results[r] = (False, f"still running after {timeout:g} s")
                 break
+    except BaseException:  # Ctrl-C, SIGTERM made an exception, a result that cannot be read
+        for p in procs:  # the ranks are not waited for: stopped at once
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+        raise
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline + 5 - time.monotonic())))
