@@ -14,11 +14,12 @@ messages queue per (src, tag), in arrival order, which is send order per pair of
 
 A collective message carries its op (and reduction op) and root. One whose seq is this rank's
 current seq but whose op or root differ means the ranks diverged: :class:`MismatchError` at once.
-Where no such message comes (every rank waits for another), the ranks a call waits for are
-asked what they are doing shortly before its deadline; an answer names the collective the
-peer is in (or returned from last), and one at this seq with another op or root makes the
-timeout a :class:`MismatchTimeoutError`, both a mismatch and a timeout, which the rank tells
-the others (a rank waiting in that call raises one too, at once).
+Where no such message comes (every rank waits for another), the ranks a collective waits for
+are asked what they are doing 1, 3, 7, 15... s into it and shortly before its deadline; an
+answer names the collective the peer is in (or returned from last), and one at this seq with
+another op or root raises a :class:`MismatchTimeoutError` (the call cannot complete: both a
+mismatch and a timeout) when it is read, which the rank tells the others (a rank waiting in
+that call raises one too, at once).
 
 States: ``open`` -> ``closed`` (by :meth:`close`) or ``broken`` (timeout, mismatch, cancel of
 a collective, peer lost, abort). A collective that fails leaves the seq counters of the ranks
@@ -143,7 +144,9 @@ class Core:
         self.p2p: dict[tuple[int, int], deque[w.Message]] = {}
         self.p2p_in: dict[int, int] = {}  # next point-to-point number expected per sender
         self.p2p_out: dict[int, int] = {}  # next number to send per destination
-        self.status: dict[int, str] = {}
+        # what a peer answered it was doing, in words, and this rank's self.seq then (an
+        # answer read in an earlier call is not shown as the peer's state now)
+        self.status: dict[int, tuple[int, str]] = {}
         # what a peer's answer said of the collective it is in or returned from last:
         # (seq, opcode, root)
         self.status_call: dict[int, tuple[int, int, int]] = {}
@@ -291,7 +294,7 @@ class Core:
         elif k == w.STATUS_REQ:
             self._answer_status(m.src)
         elif k == w.STATUS_REP:
-            self.status[m.src] = bytes(m.payload).decode(errors="replace")
+            self.status[m.src] = (self.seq, bytes(m.payload).decode(errors="replace"))
             if m.round in (w.STATUS_IN_CALL, w.STATUS_RETURNED):
                 self.status_call[m.src] = (seq, op, root)
                 a = self.active
@@ -486,10 +489,11 @@ class Core:
         self.active = (name, seq, opcode, root)
         self._recent[seq % RECENT] = (seq, opcode, root)
         t = self.timeout if timeout is None else timeout
-        deadline = _monotonic() + t
+        start = _monotonic()
+        deadline = start + t
         probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in _wait, with its first probe
-        if deadline - t + FIRST_PROBE < probe_at:
-            probe_at = deadline - t + FIRST_PROBE
+        if start + FIRST_PROBE < probe_at:
+            probe_at = start + FIRST_PROBE
         box = self.box
         ep = self.ep
         try:
@@ -545,7 +549,7 @@ class Core:
                         self.waiting_for = missing
                         yield min(probe_at, self._live_until) - now
                     else:
-                        yield self._wait(missing, deadline, t, name, seq)
+                        yield self._wait(missing, deadline, t, name, seq, start)
                     if self._deferred or ep.closed:
                         self.pump()  # does what close() or abort() asked; raises if closed
                     ep.drain(self._sink)
@@ -661,10 +665,11 @@ class Core:
                 raise self._timeout(f"{name} (sending)", seq, t, full)
             yield min(deadline, suspect_at) - now
 
-    def _wait(self, missing: list[int], deadline: float, t: float, name: str, seq: int | None
-              ) -> float:
+    def _wait(self, missing: list[int], deadline: float, t: float, name: str, seq: int | None,
+              start: float = 0.0) -> float:
         """Before one wait for ``missing`` ranks: raise if one is lost or the deadline passed,
-        ask them what they are doing shortly before it; else the seconds to sleep (at most:
+        ask them what they are doing shortly before it (and, in a collective that started at
+        ``start``, 1, 3, 7... s into it: FIRST_PROBE); else the seconds to sleep (at most:
         the wait ends when something arrives)."""
         if self.paused:
             for s in missing:
@@ -698,7 +703,6 @@ class Core:
                 self._send_raw(s, w.STATUS_REQ, b"")
             return min(deadline, suspect_at) - now
         if seq is not None:  # a collective: ask early, then less and less often
-            start = deadline - t
             last = self._last_probe
             early = start + FIRST_PROBE if last < start else 2 * last - start + FIRST_PROBE
             if now >= early:
@@ -715,7 +719,9 @@ class Core:
                      ) -> tuple[dict[int, str], str]:
         """What each of ``ranks`` answered it was doing, when last asked, and that in words
         (``rank 1: in ...; rank 2: ...``)."""
-        states = {s: self.status.get(s, unknown) for s in ranks}
+        now = self.seq
+        states = {s: e[1] if (e := self.status.get(s)) is not None and e[0] == now else unknown
+                  for s in ranks}
         return states, "; ".join(f"rank {s}: {v}" for s, v in states.items())
 
     def _timeout(self, name: str, seq: int | None, t: float, missing: list[int]

@@ -34,7 +34,8 @@ HEADER = struct.Struct("<2sBBBBHIQQqiH")
 # kinds
 COLL = 1  # collective traffic, matched by (seq, round, src)
 P2P = 2  # point to point, matched by (src, tag)
-STATUS_REQ = 3  # "what are you doing?" (sent when a wait is about to time out)
+STATUS_REQ = 3  # "what are you doing?" (from a collective that has waited 1 s, and again,
+# and from a wait about to time out)
 STATUS_REP = 4  # the answer: payload is a short text; header: see STATUS_IN_CALL
 ABORT = 5  # the sender aborted the group; payload is the reason
 BYE = 6  # the sender closed the group

@@ -66,19 +66,29 @@ def test_timeout_reports_what_each_peer_is_doing():
         assert took < 2.0
 
 
+def monkeypatch_first_probe(seconds):
+    """(In a rank's own process: its collectives ask the ranks they wait for after this.)"""
+    import ctrlcomm._core
+
+    ctrlcomm._core.FIRST_PROBE = seconds
+
+
 def unseen_mismatch(g, kind, late, long):
     """Ranks in different calls at one seq where no rank gets a message of the other call:
     every rank waits. A waiting rank asks the ranks it waits for which call they are in, 1 s
-    into its call (``long``: 30 s timeouts, found long before the deadline), or else shortly
-    before its deadline (0.8 s for rank 0, 1.0 s for the others: rank 0 asks first); the first
+    into its call (``long``: 30 s timeouts, found long before the deadline), or (early
+    questions turned off) shortly before its deadline (1.2 s for rank 0, 1.5 s for the others:
+    rank 0 asks first, unless it enters late); the first
     to hear of another call at its seq raises an error that is both a mismatch and a timeout,
     naming the calls, and tells the others; each rank that waits raises it too. ``late``:
     rank 0 enters 0.6 s after the others."""
     r = g.rank
+    if not long:  # no early question: only the one shortly before the deadline
+        monkeypatch_first_probe(1e9)
     t0 = time.monotonic()
     if late and r == 0:
         time.sleep(0.6)
-    t = 30.0 if long else 0.8 if r == 0 else 1.0
+    t = 30.0 if long else 1.2 if r == 0 and not late else 1.5
     try:
         if kind == "all_reduce_vs_broadcast":
             out = g.all_reduce(1, timeout=t) if r == 0 else g.broadcast(None, src=0, timeout=t)
@@ -111,8 +121,8 @@ def test_a_mismatch_no_rank_receives_is_found_by_asking_and_raised_as_both_error
         assert what == "timeout" and is_mismatch, (r, res[r])
         if long:  # at the first question, 1 s into the call: long before the 30 s deadline
             assert 0.9 < took < 4.0, (r, took)
-        else:  # shortly before the first deadline, not after the last
-            assert 0.6 < took < (1.3 if not late else 1.9), (r, took)
+        else:  # at the first deadline (rank 0's, or the others'), not before, not after
+            assert (1.0 if not late else 1.3) < took < 2.0, (r, took)
         assert seq == 0 and "mismatch" in msg and waited_for, (r, msg)
         if kind == "all_reduce_vs_broadcast":
             assert "all_reduce(op='sum')" in msg and "broadcast(root=0)" in msg, (r, msg)

@@ -203,7 +203,8 @@ def test_an_answer_of_another_call_at_this_seq_raises_the_mismatch_at_once(monke
 @pytest.mark.parametrize("answer", [
     ("broadcast", 0, 0),  # in the same call (waiting for another rank)
     ("gather", 0, -1),  # in another call at an earlier seq: merely late
-], ids=["same_call", "earlier_seq"])
+    ("gather", 0, 1),  # at a later seq (ahead: what it says of this seq is not known)
+], ids=["same_call", "earlier_seq", "later_seq"])
 def test_an_answer_that_shows_no_mismatch_lets_the_call_wait_on(monkeypatch, answer):
     """A peer in this very call, or in another call of an earlier seq (late), is no
     mismatch: the call goes on waiting and completes when the message comes."""
@@ -237,3 +238,43 @@ def test_the_error_names_every_rank_whose_answer_showed_another_call(monkeypatch
     assert e.value.waiting_for == [1, 2, 3]
     assert e.value.mismatch.endswith("rank 1 called gather(root=0); rank 2 called "
                                      "gather(root=0)"), e.value.mismatch
+
+
+def test_a_call_without_a_deadline_asks_early_too(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    ep = ProbedEndpoint(clock, {0: [status_from(0, 0, "gather", 0, w.STATUS_IN_CALL)]})
+    g = group(1, 2, ep)
+    monkeypatch.setattr(g._core, "_tell_peers", lambda *a: None)
+    with pytest.raises(ctrlcomm.MismatchTimeoutError):
+        g.broadcast(None, src=0, timeout=float("inf"))
+    assert ep.asked == [(1.0, 0)] and clock.now - 1000.0 == pytest.approx(1.0)
+
+
+def test_each_call_asks_on_its_own_schedule_and_shows_only_its_own_answers(monkeypatch):
+    """Call #0 asks 1 and 3 s in (the first answer: rank 0 is busy in #0), its message comes
+    with the second; call #1 starts at once and asks 1 and 3 s into it, not 7: no answer to
+    that, and at its deadline rank 0's state is not the answer #0 read. Nor when call #2 is
+    told of a mismatch before it asked anyone."""
+    clock = Clock()
+    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    ep = ProbedEndpoint(clock, {
+        0: [status_from(0, 0, "broadcast", 0, w.STATUS_IN_CALL)],
+        1: [bcast_from(0, 0, "first")]})
+    g = group(1, 2, ep)
+    assert g.broadcast(None, src=0, timeout=20.0) == "first"
+    assert ep.asked == [(1.0, 0), (3.0, 0)]
+    with pytest.raises(ctrlcomm.CollectiveTimeoutError) as e:
+        g.broadcast(None, src=0, timeout=5.0)
+    assert [t for t, _ in ep.asked[2:]] == [4.0, 6.0, 7.75]  # 1 and 3 s into #1; deadline
+    assert e.value.peer_states[0].startswith("did not answer"), e.value.peer_states
+
+    ep = ProbedEndpoint(clock, {0: [status_from(0, 0, "broadcast", 0, w.STATUS_IN_CALL)],
+                                1: [bcast_from(0, 0, "first")]})
+    g = group(1, 2, ep)
+    assert g.broadcast(None, src=0, timeout=20.0) == "first"
+    ep.answers_due = [w.Message(w.ABORT, 0, GID, 1, w.ABORT_BY_PROBE,
+                                payload=(MISMATCH_PREFIX + "#1 differs").encode())]
+    with pytest.raises(ctrlcomm.MismatchTimeoutError) as e:
+        g.broadcast(None, src=0, timeout=20.0)
+    assert e.value.peer_states[0].startswith("not asked"), e.value.peer_states
