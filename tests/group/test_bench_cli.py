@@ -13,6 +13,20 @@ def run(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
+def multihost(args_by_rank, timeout):
+    """Start ``ctrlcomm bench`` once per rank (in the dict's order), as on separate hosts;
+    returns the processes and their (stdout, stderr), in that order."""
+    procs = [subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in args_by_rank.values()]
+    try:
+        return procs, [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 @pytest.mark.slow
 def test_bench_local_with_aio_json_and_comparison(tmp_path):
     out = tmp_path / "r.json"
@@ -173,16 +187,9 @@ def test_bench_multihost_mode_one_process_per_rank(tmp_path):
     common = ["--host", "127.0.0.1", "--port", str(free_port()), "--world-size", "3",
               "--ops", "barrier,all_reduce,send_recv", "--iters", "10", "--warmup", "2",
               "--aio", "--repeat", "2"]
-    procs = [subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", *common,
-                               "--rank", str(r), *(["--json", str(out)] if r == 0 else [])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (1, 2, 0)]
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, outs = multihost({r: [*common, "--rank", str(r),
+                                 *(["--json", str(out)] if r == 0 else [])] for r in (1, 2, 0)},
+                            timeout=240)
     assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
     (o1, _), (o2, _), (o0, _) = outs
     assert o1 == o2 == ""  # only rank 0 reports
@@ -440,17 +447,9 @@ def test_bench_multihost_ranks_with_different_settings_say_so(tmp_path):
     from ctrlcomm.testing import free_port
 
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", "--host", "127.0.0.1",
-                               "--port", port, "--world-size", "2", "--rank", str(r),
-                               "--ops", "barrier", "--iters", str(5 + r)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (1, 0)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, outs = multihost({r: ["--host", "127.0.0.1", "--port", port, "--world-size", "2",
+                                 "--rank", str(r), "--ops", "barrier", "--iters", str(5 + r)]
+                             for r in (1, 0)}, timeout=120)
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 2, err
         assert "different settings" in err and "iters=5" in err and "iters=6" in err, err
