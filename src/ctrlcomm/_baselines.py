@@ -358,8 +358,9 @@ def mpi_missing() -> str | None:
 def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
     """Run the ops under ``mpiexec -n N`` (MPICH) and collect each rank's figures. Raises
     ``subprocess.SubprocessError`` if it fails or runs past ``cfg["timeout"]`` (default 900 s;
-    then mpiexec and every process it started are killed: they run in a session of their
-    own), ``OSError``/``ValueError`` if a rank's figures are missing or unreadable."""
+    then, or when the wait is interrupted, mpiexec and every process it started are killed:
+    they run in a session of their own), ``OSError``/``ValueError`` if a rank's figures are
+    missing or unreadable."""
     exe = mpiexec()
     assert exe is not None
     timeout = cfg.get("timeout", 900)
@@ -373,7 +374,7 @@ def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
                               start_new_session=True) as p:
             try:
                 code = p.wait(timeout)
-            except subprocess.TimeoutExpired:
+            except BaseException:  # past the timeout, or Ctrl-C / SIGTERM to the bench
                 os.killpg(p.pid, signal.SIGKILL)  # the session started here, and only it
                 p.wait()
                 raise

@@ -356,6 +356,12 @@ def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
 
 
 def _bench_child(rank: int, n: int, system: str, cfg: dict[str, Any], q: Any) -> Any:
+    import signal
+
+    # Ctrl-C is the bench's to handle: it stops its ranks by pid (else each would print a
+    # KeyboardInterrupt traceback)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def progress(op: str, size: int) -> None:
         if rank == 0 and q is not None:
             q.put(("progress", op, size))
@@ -625,7 +631,8 @@ def check_plot(path: str) -> None:
     from matplotlib.figure import Figure
 
     ext = os.path.splitext(path)[1][1:].lower()
-    kinds = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    kinds = {k: v for k, v in FigureCanvasAgg(Figure()).get_supported_filetypes().items()
+             if k != "pgf"}  # (pgf needs a LaTeX installation)
     if ext and ext not in kinds:
         raise ValueError(f"matplotlib cannot write .{ext} files (it writes "
                          f"{', '.join('.' + k for k in sorted(kinds))})")

@@ -95,8 +95,10 @@ def _bench(args: argparse.Namespace) -> int:
     from . import _bench as b
     from ._errors import CtrlcommError
 
+    multihost = any(v is not None for v in (args.host, args.port, args.rank, args.world_size))
     if args.from_json:
-        given = [o for k, o in RUN_OPTIONS.items() if getattr(args, k) not in (None, False)]
+        given = [o for k, o in RUN_OPTIONS.items()
+                 if getattr(args, k) is not None and getattr(args, k) is not False]
         if given:
             print(f"--from-json shows a saved run and runs nothing: {' '.join(given)} "
                   "do not go with it", file=sys.stderr)
@@ -115,15 +117,16 @@ def _bench(args: argparse.Namespace) -> int:
     systems = ["ctrlcomm"] + (["ctrlcomm-aio"] if args.aio else [])
     failed: dict[tuple[str, int], str] = {}  # (system, world size): why its run failed
     rows: list[dict[str, Any]] | None
-    # found out before the run, not after it
-    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+    # found out before the run, not after it (by the rank that writes them)
+    writes = not multihost or args.rank == 0
+    for opt, path in (("--json", args.json), ("--plot", args.plot)) if writes else ():
         folder = os.path.dirname(os.path.abspath(path)) if path else ""
         if path and (os.path.isdir(path) or not (os.path.isdir(folder)
                                                  and os.access(folder, os.W_OK))):
             print(f"{opt} {path}: cannot write there (a folder, no such folder, or not "
                   "writable)", file=sys.stderr)
             return 2
-    if args.plot:
+    if args.plot and writes:
         try:
             b.check_plot(args.plot)
         except ImportError:
@@ -141,7 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"--from-json {args.from_json}: not the results of a bench run "
                   f"({type(e).__name__}: {e})", file=sys.stderr)
             return 2
-    elif any(v is not None for v in (args.host, args.port, args.rank, args.world_size)):
+    elif multihost:
         # any of the four means one rank of a multi-host run: never a local run instead
         absent = [o for o, v in (("--host", args.host), ("--port", args.port),
                                  ("--rank", args.rank), ("--world-size", args.world_size))
@@ -166,10 +169,11 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             rows = b.run_multihost(args.host, args.port, args.rank, args.world_size, cfg)
         except ValueError as e:  # the ranks were started with different settings
-            print(f"ctrlcomm bench: {e}", file=sys.stderr)
+            print(f"\nctrlcomm bench: {e}", file=sys.stderr)
             return 2
-        except CtrlcommError as e:  # the port is taken, a rank never came, one failed...
-            print(f"ctrlcomm bench (rank {args.rank}): {type(e).__name__}: {e}",
+        except (CtrlcommError, OSError) as e:  # the port is taken, a host not found, a rank
+            # never came or failed...
+            print(f"\nctrlcomm bench (rank {args.rank}): {type(e).__name__}: {e}",
                   file=sys.stderr)
             return 1
         cfg["world_sizes"] = [args.world_size]
@@ -219,8 +223,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_main(args: argparse.Namespace) -> int:
-    """:func:`_bench`, ended cleanly by SIGTERM as by Ctrl-C: the ranks it started are
-    stopped (by pid, in the runner's cleanup) and it exits with 128 + the signal."""
+    """:func:`_bench`, ended cleanly by SIGTERM as by Ctrl-C: the ranks (and mpiexec) it
+    started are stopped (by pid, in the runner's cleanup) and it exits with 130."""
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -229,8 +233,10 @@ def _bench_main(args: argparse.Namespace) -> int:
     try:
         return _bench(args)
     except KeyboardInterrupt:
-        print("\nctrlcomm bench: interrupted; the ranks it started are stopped",
-              file=sys.stderr)
+        local = args.host is None and args.port is None and args.rank is None \
+            and args.world_size is None
+        print("\nctrlcomm bench: interrupted" + ("; the ranks it started are stopped"
+                                                 if local else ""), file=sys.stderr)
         return 130
     finally:
         if old is not None:

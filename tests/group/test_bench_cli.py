@@ -78,6 +78,8 @@ def test_bench_rejects_unknown_ops_and_systems():
     (("-n", "1", "--json", "/tmp"), "--json /tmp: cannot write there"),
     (("--from-json", "r.json", "-n", "8", "--iters", "7", "--aio"),
      "-n --iters --aio do not go with it"),
+    (("--from-json", "r.json", "--warmup", "0", "--rank", "0"), "--warmup --rank do not go"),
+    (("-n", "1", "--plot", "r.pgf"), "--plot r.pgf: matplotlib cannot write .pgf"),
     (("--from-json", "/nonexistent/r.json"), "/nonexistent/r.json"),
     (("-n", "1", "--json", "/nonexistent/r.json"), "--json /nonexistent/r.json"),
     (("-n", "1", "--plot", "/nonexistent/r.png"), "--plot /nonexistent/r.png"),
@@ -189,7 +191,7 @@ def test_bench_multihost_mode_one_process_per_rank(tmp_path):
               "--aio", "--repeat", "2"]
     procs, outs = multihost({r: [*common, "--rank", str(r),
                                  *(["--json", str(out)] if r == 0 else [])] for r in (1, 2, 0)},
-                            timeout=240)
+                            timeout=90)
     assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
     (o1, _), (o2, _), (o0, _) = outs
     assert o1 == o2 == ""  # only rank 0 reports
@@ -393,10 +395,42 @@ def test_bench_counts_each_world_size_op_and_size_once_and_names_the_plot_it_wri
     assert f"wrote {png}" in p.stdout and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _parents():
+    """Every process's parent (from /proc)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return parent
+
+
 def _children(pid):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                         text=True).stdout
-    return [int(x) for x in out.split()]
+    """The ranks ``pid`` spawned (not multiprocessing's resource tracker)."""
+    out = []
+    for c, pp in _parents().items():
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if pp == pid and b"spawn_main" in f.read():
+                    out.append(c)
+        except OSError:
+            pass
+    return out
+
+
+def _descendants(pid):
+    """Every process below ``pid`` now."""
+    parent = _parents()
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
 
 
 def _alive(pid):
@@ -421,8 +455,8 @@ def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
     ranks = []
     try:
         t = time.monotonic()
-        while time.monotonic() - t < 60:  # the ranks (and multiprocessing's tracker) start
-            ranks = [c for c in _children(p.pid) if c != p.pid]
+        while time.monotonic() - t < 60:  # the ranks start
+            ranks = _children(p.pid)
             if len(ranks) >= 3:
                 break
             time.sleep(0.2)
@@ -449,7 +483,7 @@ def test_bench_multihost_ranks_with_different_settings_say_so(tmp_path):
     port = str(free_port())
     procs, outs = multihost({r: ["--host", "127.0.0.1", "--port", port, "--world-size", "2",
                                  "--rank", str(r), "--ops", "barrier", "--iters", str(5 + r)]
-                             for r in (1, 0)}, timeout=120)
+                             for r in (1, 0)}, timeout=90)
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 2, err
         assert "different settings" in err and "iters=5" in err and "iters=6" in err, err
@@ -465,3 +499,59 @@ def test_bench_multihost_reports_a_taken_port_in_a_line():
                 "--world-size", "1", "--iters", "2", timeout=60)
     assert p.returncode == 1 and "address already in use" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_interrupted_mpi_run_leaves_nothing_running():
+    """Ctrl-C or SIGTERM (a KeyboardInterrupt in the bench) while mpiexec runs: mpiexec and
+    every process it started are killed, as at its timeout."""
+    import signal
+    import threading
+    import time
+
+    from ctrlcomm import _baselines
+
+    if _baselines.missing("mpi"):
+        pytest.skip(_baselines.missing("mpi"))
+    seen, stop = set(), threading.Event()
+    before = set(_descendants(os.getpid()))  # (a forkserver another test started, say)
+
+    def watch():
+        while not stop.is_set():
+            seen.update(set(_descendants(os.getpid())) - before)
+            time.sleep(0.05)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 4.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _baselines.run_mpi(2, {"ops": ["barrier"], "sizes": [8], "iters": 10**9,
+                                   "warmup": 0, "timeout": 120})
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        stop.set()
+        th.join()
+    assert len(seen) >= 3, seen  # mpiexec, its proxy, the ranks
+    t = time.monotonic()
+    while [p for p in seen if _alive(p)] and time.monotonic() - t < 10:
+        time.sleep(0.1)
+    assert not [p for p in seen if _alive(p)]
+
+
+def test_bench_multihost_rank_other_than_0_neither_checks_nor_writes_json_or_plot(tmp_path):
+    from ctrlcomm.testing import free_port
+
+    port = str(free_port())
+    common = ["--host", "127.0.0.1", "--port", port, "--world-size", "2", "--ops", "barrier",
+              "--iters", "3", "--json", "/nonexistent/r.json"]  # (a folder on rank 0's host)
+    procs, outs = multihost({1: [*common, "--rank", "1"],
+                             0: [*common[:-2], "--json", str(tmp_path / "r.json"),
+                                 "--rank", "0"]}, timeout=90)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "ignoring them" in outs[0][1] and (tmp_path / "r.json").exists()

@@ -85,9 +85,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _tie_to_parent(parent: int) -> None:
     """End this process when its parent ends (Linux: PR_SET_PDEATHSIG), so that ranks never
-    outlive a runner killed before its cleanup ran (SIGKILL, say); and leave Ctrl-C to the
-    parent, which stops its ranks by pid (else every rank prints its KeyboardInterrupt)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    outlive a runner killed before its cleanup ran (SIGKILL, say)."""
     try:
         import ctypes
 
@@ -133,8 +131,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx: Any = mp.get_context(start_method)
     q = ctx.Queue()
     # (the death signal follows the thread that started a process: only the main thread's
-    # ranks are tied to it)
-    parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
+    # ranks are tied to it; and under forkserver a rank's parent is the server)
+    parent = os.getpid() if threading.current_thread() is threading.main_thread() \
+        and start_method in ("spawn", "fork") else None
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, kwargs, q, parent),
                          daemon=True)
              for r in range(world_size)]
