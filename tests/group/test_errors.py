@@ -143,6 +143,43 @@ def test_a_mismatch_no_rank_receives_is_found_by_asking_and_raised_as_both_error
                 or "rank 2 called gather(root=1)" in res[0][2], res[0][2]
 
 
+def unseen_mismatch_awaited(g):
+    """As unseen_mismatch (all_reduce on rank 0, broadcast on the others, 30 s timeouts), with
+    awaited calls, while another task of the loop ticks: the question 1 s in comes from the
+    asyncio driver too, and the loop runs meanwhile."""
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        try:
+            if g.rank == 0:
+                await g.aio.all_reduce(1, timeout=30)
+            else:
+                await g.aio.broadcast(None, src=0, timeout=30)
+        except ctrlcomm.MismatchTimeoutError as e:
+            return time.monotonic() - t0, ticks, str(e)
+        finally:
+            ticker.cancel()
+        return "no error"
+
+    out = asyncio.run(main())
+    time.sleep(1.0)  # (until every rank has raised)
+    return out
+
+
+def test_an_unseen_mismatch_is_found_by_asking_in_awaited_calls_too():
+    for took, ticks, msg in run_group(unseen_mismatch_awaited, 3):
+        assert 0.9 < took < 4.0 and ticks >= 10, (took, ticks, msg)
+        assert "all_reduce(op='sum')" in msg and "broadcast(root=0)" in msg, msg
+
+
 def late_rank_is_not_a_mismatch(g):
     """A rank that is merely late makes a plain timeout, not a mismatch: here it waits in a
     recv after the barrier (#0) while rank 0 waits for it in all_reduce #1 (it answers
