@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 DEFAULT_OPS = ("barrier", "all_reduce", "broadcast", "all_gather", "gather", "scatter",
@@ -475,16 +475,25 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
                     continue
                 each[system].append(summarize(per_rank))
                 got[system] = per_rank if system not in got else merge(got[system], per_rank)
-        for system in systems:
-            if system not in got:
-                continue
-            for (op, size), fig in summarize(got[system]).items():
-                row = {"system": system, "op": op, "size": size, "world_size": n, **fig}
-                if repeat > 1:
-                    # each run's own median: how far a slow spell of the machine moved it
-                    row["repeat_median_us"] = [r[(op, size)]["median_us"] for r in each[system]]
-                rows.append(row)
+        rows += _rows(n, systems, got, each, repeat)
     bar.end()
+    return rows
+
+
+def _rows(n: int, systems: Sequence[str], got: Mapping[str, list[Results]],
+          each: Mapping[str, list[Results]], repeat: int) -> list[dict[str, Any]]:
+    """The table rows of world size ``n``: per system that ran (``got``: its pooled figures,
+    one entry per rank; ``each``: each turn's summary), per (op, size)."""
+    rows = []
+    for system in systems:
+        if system not in got:
+            continue
+        for (op, size), fig in summarize(got[system]).items():
+            row = {"system": system, "op": op, "size": size, "world_size": n, **fig}
+            if repeat > 1:
+                # each run's own median: how far a slow spell of the machine moved it
+                row["repeat_median_us"] = [r[(op, size)]["median_us"] for r in each[system]]
+            rows.append(row)
     return rows
 
 
@@ -552,16 +561,7 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
     finally:
         if srv is not None:
             srv.close()
-    if rank != 0:
-        return None
-    rows = []
-    for system in systems:
-        for (op, size), fig in summarize(got[system]).items():
-            row = {"system": system, "op": op, "size": size, "world_size": n, **fig}
-            if repeat > 1:
-                row["repeat_median_us"] = [e[(op, size)]["median_us"] for e in each[system]]
-            rows.append(row)
-    return rows
+    return _rows(n, systems, got, each, repeat) if rank == 0 else None
 
 
 def plot(path: str, rows: list[dict[str, Any]]) -> None:
@@ -631,8 +631,8 @@ def check_plot(path: str) -> None:
     from matplotlib.figure import Figure
 
     ext = os.path.splitext(path)[1][1:].lower()
-    kinds = {k: v for k, v in FigureCanvasAgg(Figure()).get_supported_filetypes().items()
-             if k != "pgf"}  # (pgf needs a LaTeX installation)
+    # (pgf needs a LaTeX installation)
+    kinds = set(FigureCanvasAgg(Figure()).get_supported_filetypes()) - {"pgf"}
     if ext and ext not in kinds:
         raise ValueError(f"matplotlib cannot write .{ext} files (it writes "
                          f"{', '.join('.' + k for k in sorted(kinds))})")
@@ -671,12 +671,11 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
-    meta = {k: v for k, v in cfg.items() if k in SETTINGS + ("world_sizes", "against")}
+    # (python, cpus and when: a saved run's, shown again, are kept as they were)
+    meta = {k: v for k, v in cfg.items()
+            if k in SETTINGS + ("world_sizes", "against", "python", "cpus", "when")}
     meta.setdefault("python", sys.version.split()[0])
     meta.setdefault("cpus", os.cpu_count())
     meta.setdefault("when", time.strftime("%Y-%m-%dT%H:%M:%S"))
-    for k, v in cfg.items():  # (what a saved run recorded, shown again: kept as it was)
-        if k in ("python", "cpus", "when"):
-            meta[k] = v
     with open(path, "w") as f:
         json.dump({"config": meta, "results": rows}, f, indent=1)

@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._bench import DEFAULT_OPS
+
 
 def _store(args: argparse.Namespace) -> int:
     import logging
@@ -82,8 +84,7 @@ def _size(text: str) -> int:
 # the run settings of `ctrlcomm bench` and their defaults (None in the parser: so that what
 # was given can be told from what was not)
 BENCH_DEFAULTS: dict[str, Any] = {
-    "ops": ",".join(("barrier", "all_reduce", "broadcast", "all_gather", "gather", "scatter",
-                     "all_to_all", "send_recv")),
+    "ops": ",".join(DEFAULT_OPS),
     "sizes": [8], "iters": 1000, "warmup": 100, "repeat": 1, "transport": "tcp"}
 RUN_OPTIONS = {"n": "-n", "ops": "--ops", "sizes": "--sizes", "iters": "--iters",
                "warmup": "--warmup", "repeat": "--repeat", "aio": "--aio",
@@ -91,11 +92,16 @@ RUN_OPTIONS = {"n": "-n", "ops": "--ops", "sizes": "--sizes", "iters": "--iters"
                "port": "--port", "rank": "--rank", "world_size": "--world-size"}
 
 
+def _multihost(args: argparse.Namespace) -> bool:
+    """Whether the bench runs one rank of a multi-host run (any of its four options)."""
+    return any(v is not None for v in (args.host, args.port, args.rank, args.world_size))
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import _bench as b
     from ._errors import CtrlcommError
 
-    multihost = any(v is not None for v in (args.host, args.port, args.rank, args.world_size))
+    multihost = _multihost(args)
     if args.from_json:
         given = [o for k, o in RUN_OPTIONS.items()
                  if getattr(args, k) is not None and getattr(args, k) is not False]
@@ -233,10 +239,9 @@ def _bench_main(args: argparse.Namespace) -> int:
     try:
         return _bench(args)
     except KeyboardInterrupt:
-        local = args.host is None and args.port is None and args.rank is None \
-            and args.world_size is None
-        print("\nctrlcomm bench: interrupted" + ("; the ranks it started are stopped"
-                                                 if local else ""), file=sys.stderr)
+        print("\nctrlcomm bench: interrupted" + ("" if _multihost(args) else
+                                                 "; the ranks it started are stopped"),
+              file=sys.stderr)
         return 130
     finally:
         if old is not None:
