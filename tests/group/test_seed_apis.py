@@ -1,6 +1,7 @@
 """The seed APIs: vLLM's StatelessProcessGroup and Megatron's AsyncZMQCommunicator."""
 
 import asyncio
+import ctypes
 import gc
 import time
 
@@ -87,6 +88,32 @@ def test_a_broadcast_obj_that_never_comes_times_out_naming_it():
 def share_unique_id(group_like):
     uid = b"\x01unique-id" if group_like.rank == 0 else None
     return group_like.broadcast_obj(uid, src=0)
+
+
+class NcclUniqueId(ctypes.Structure):
+    """vLLM's ``ncclUniqueId``: its PyNcclCommunicator shares one with ``broadcast_obj``."""
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+UID_BYTES = bytes((i * 37 + 11) % 256 for i in range(128))
+
+
+def spg_ctypes_unique_id(rank, size, port):
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    uid = None
+    if rank == 0:
+        uid = NcclUniqueId()
+        ctypes.memmove(uid.internal, UID_BYTES, len(UID_BYTES))
+    uid = pg.broadcast_obj(uid, src=0)
+    pg.close()
+    return type(uid).__name__, bytes(uid.internal)
+
+
+def test_a_ctypes_unique_id_crosses_broadcast_obj_intact():
+    for out in run_ranks(spg_ctypes_unique_id, 3, free_port()):
+        assert out == ("NcclUniqueId", UID_BYTES)
 
 
 def test_stateless_process_group_scenarios():
