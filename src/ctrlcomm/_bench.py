@@ -116,6 +116,19 @@ def payload(op: str, size: int, rank: int, i: int) -> Any:
     return os.urandom(size) if i < 0 else b"x" * size
 
 
+PAIR_OPS = {"send_recv"}  # between two ranks: nothing to measure at world size 1
+
+
+def ops_at(ops: Sequence[str], n: int, stream: Any = None) -> list[str]:
+    """The ops of ``ops`` that world size ``n`` can run (at 1: not send_recv, which needs two
+    ranks), saying on ``stream`` which are left out."""
+    out = [op for op in ops if n >= 2 or op not in PAIR_OPS]
+    if stream is not None and len(out) < len(ops):
+        left = ", ".join(op for op in ops if op not in out)
+        stream.write(f"{left}: needs 2 ranks, left out at world size {n}\n")
+    return out
+
+
 def op_sizes(ops: list[str], sizes: list[int]) -> list[tuple[str, int]]:
     """Each (op, size) to measure, once, in the order given (size 0: an op without one)."""
     out = []
@@ -356,12 +369,8 @@ def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
 
 
 def _bench_child(rank: int, n: int, system: str, cfg: dict[str, Any], q: Any) -> Any:
-    import signal
-
-    # Ctrl-C is the bench's to handle: it stops its ranks by pid (else each would print a
-    # KeyboardInterrupt traceback)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
+    # (it runs ignoring SIGINT: Ctrl-C is the bench's to handle, which stops its ranks by
+    # pid; else each would print a KeyboardInterrupt traceback)
     def progress(op: str, size: int) -> None:
         if rank == 0 and q is not None:
             q.put(("progress", op, size))
@@ -405,9 +414,11 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
     if bad or not world_sizes:
         raise ValueError(f"world sizes must be integers >= 1, got {bad or world_sizes}")
     world_sizes = list(dict.fromkeys(world_sizes))
-    plan = op_sizes(cfg["ops"], cfg["sizes"])
+    # each world size's own settings: the ops it can run
+    cfgs = {n: dict(cfg, ops=ops_at(cfg["ops"], n, stream)) for n in world_sizes}
     repeat = max(int(cfg.get("repeat", 1)), 1)
-    bar = _Progress(len(plan) * len(world_sizes) * len(systems) * repeat, stream)
+    bar = _Progress(sum(len(op_sizes(c["ops"], c["sizes"])) for c in cfgs.values())
+                    * len(systems) * repeat, stream)
     rows = []
     ctx = mp.get_context("spawn")
     failed = {} if failed is None else failed
@@ -417,9 +428,11 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
             return run_system(n, system)
 
     def run_system(n: int, system: str) -> list[Results]:
+        ncfg = cfgs[n]
+        plan = op_sizes(ncfg["ops"], ncfg["sizes"])
         if system == "mpi":
             try:
-                per_rank = run_mpi(n, cfg)
+                per_rank = run_mpi(n, ncfg)
             except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
                 raise RankFailedError(f"mpiexec: {type(e).__name__}: {e}", {}) from e
             for op, size in plan:
@@ -442,11 +455,11 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
         th = threading.Thread(target=pump, daemon=True)
         th.start()
         with StoreServer("127.0.0.1", 0) as srv:
-            c = dict(cfg, host="127.0.0.1", port=srv.port, host_store=False,
+            c = dict(ncfg, host="127.0.0.1", port=srv.port, host_store=False,
                      tag=f"{system}{n}")
             try:
-                per_rank = run_ranks(_bench_child, n, system, c, q,
-                                     timeout=cfg.get("timeout", 900), fail_fast=True)
+                per_rank = run_ranks(_bench_child, n, system, c, q, ignore_sigint=True,
+                                     timeout=ncfg.get("timeout", 900), fail_fast=True)
             finally:
                 stop.set()
                 th.join()
@@ -457,6 +470,8 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
             return per_rank
 
     for n in world_sizes:
+        if not cfgs[n]["ops"]:
+            continue
         # With --repeat, the systems take turns (a, b, c, a, b, c, ...) and each one's samples
         # are pooled: a slow spell of a shared machine then falls on every system alike.
         got: dict[str, list[Results]] = {}
@@ -518,7 +533,8 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
                          "and the rank in [0, world size)")
     systems = ("ctrlcomm", "ctrlcomm-aio") if cfg.get("aio") else ("ctrlcomm",)
     repeat = max(int(cfg.get("repeat", 1)), 1)
-    plan = op_sizes(cfg["ops"], cfg["sizes"])
+    run_cfg = dict(cfg, ops=ops_at(cfg["ops"], n, stream if rank == 0 else None))
+    plan = op_sizes(run_cfg["ops"], run_cfg["sizes"])
     bar = _Progress(len(plan) * len(systems) * repeat, stream) if rank == 0 else None
 
     def group(name: str) -> Any:
@@ -542,7 +558,7 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
         each: dict[str, list[Results]] = {s: [] for s in systems}
         for i in range(repeat):
             for system in systems:
-                c = dict(cfg, host=host, port=port, host_store=False, tag=f"{system}-{i}")
+                c = dict(run_cfg, host=host, port=port, host_store=False, tag=f"{system}-{i}")
 
                 def progress(op: str, size: int, system: str = system) -> None:
                     if bar is not None:

@@ -97,6 +97,15 @@ def _multihost(args: argparse.Namespace) -> bool:
     return any(v is not None for v in (args.host, args.port, args.rank, args.world_size))
 
 
+def _runnable(b: Any, cfg: dict[str, Any], world_sizes: list[int]) -> bool:
+    """Whether some op can run at some of the world sizes; if not, says why."""
+    if any(b.ops_at(cfg["ops"], n) for n in world_sizes):
+        return True
+    print(f"nothing to run: {', '.join(cfg['ops'])} needs 2 ranks, and the world size is "
+          f"{', '.join(map(str, world_sizes))}", file=sys.stderr)
+    return False
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import _bench as b
     from ._errors import CtrlcommError
@@ -172,6 +181,8 @@ def _bench(args: argparse.Namespace) -> int:
         if args.rank != 0 and (args.json or args.plot):
             print("--json and --plot are written by rank 0; ignoring them here",
                   file=sys.stderr)
+        if not _runnable(b, cfg, [args.world_size]):
+            return 2
         try:
             rows = b.run_multihost(args.host, args.port, args.rank, args.world_size, cfg)
         except ValueError as e:  # the ranks were started with different settings
@@ -201,6 +212,8 @@ def _bench(args: argparse.Namespace) -> int:
                 and missing("star") is None:
             systems.append("star")  # all_reduce against Megatron's original design too
         cfg["world_sizes"] = list(dict.fromkeys(args.n or [2, 4]))
+        if not _runnable(b, cfg, cfg["world_sizes"]):
+            return 2
         cfg["against"] = systems[1 + bool(args.aio):]
         rows = b.run_local(cfg["world_sizes"], systems, cfg, failed=failed)
     if rows is None:  # a multi-host rank other than 0: rank 0 prints

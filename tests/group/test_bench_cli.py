@@ -395,6 +395,25 @@ def test_bench_counts_each_world_size_op_and_size_once_and_names_the_plot_it_wri
     assert f"wrote {png}" in p.stdout and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_send_recv_is_left_out_at_world_size_1_saying_so(tmp_path):
+    """A ping-pong needs two ranks: at world size 1 there is nothing to time (it reported a
+    figure of an empty call)."""
+    out = tmp_path / "r.json"
+    p = run("-n", "1,2", "--ops", "barrier,send_recv", "--sizes", "8", "--iters", "3",
+            "--warmup", "0", "--against", "store", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "send_recv: needs 2 ranks, left out at world size 1" in p.stderr
+    keys = sorted((r["system"], r["op"], r["world_size"])
+                  for r in json.loads(out.read_text())["results"])
+    assert keys == sorted((s, op, n) for s in ("ctrlcomm", "store") for op, n in
+                          (("barrier", 1), ("barrier", 2), ("send_recv", 2)))
+    for args in (["-n", "1"], ["--host", "127.0.0.1", "--port", "1", "--rank", "0",
+                               "--world-size", "1"]):
+        p = run(*args, "--ops", "send_recv")
+        assert p.returncode == 2 and "nothing to run: send_recv needs 2 ranks" in p.stderr, \
+            p.stderr
+
+
 def _parents():
     """Every process's parent (from /proc)."""
     parent = {}
@@ -472,6 +491,33 @@ def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
         assert not [r for r in ranks if _alive(r)]
     finally:
         for pid in [p.pid, *ranks]:  # (only what this test started)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_while_the_ranks_start_prints_one_line_and_no_traceback():
+    """A terminal's Ctrl-C reaches every process of its group, ranks still in Python's
+    start-up too: none prints a traceback; the bench stops them and says so."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", "-n", "3", "--ops",
+                          "barrier", "--iters", "10000000", "--warmup", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # a process group of its own, as in a shell
+    ranks = []
+    try:
+        t = time.monotonic()
+        while not ranks and time.monotonic() - t < 60:
+            ranks = _children(p.pid)
+        assert ranks
+        os.killpg(p.pid, signal.SIGINT)  # the first rank has just been started
+        _, err = p.communicate(timeout=30)
+        assert p.returncode == 130 and "interrupted" in err, (p.returncode, err)
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    finally:
+        for pid in [p.pid, *_descendants(p.pid), *ranks]:  # (only what this test started)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
 

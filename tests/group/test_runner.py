@@ -1,5 +1,6 @@
 """ctrlcomm.testing.run_ranks: results, failures, and a run that ends at its first failure."""
 
+import sys
 import time
 
 import pytest
@@ -62,3 +63,50 @@ def test_ranks_are_plain_processes_under_each_start_method(method):
     assert [ignored for _, ignored in out] == [fresh] * 2
     if method == "spawn":
         assert [ppid for ppid, _ in out] == [os.getpid()] * 2
+
+
+def sigint_state(rank, size):
+    """Whether the rank ignores SIGINT, and whether it has it blocked, after a while."""
+    import signal
+
+    time.sleep(0.5)
+    return (signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+            signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_that_ignore_sigint_ignore_it_from_their_start():
+    """With ignore_sigint a rank ignores SIGINT from the moment it exists: a SIGINT sent to
+    each rank as soon as it appears (in Python's start-up) neither ends it nor prints a
+    traceback, and the rank ends up ignoring SIGINT, unblocked."""
+    import os
+    import signal
+    import threading
+
+    me, hit, stop = os.getpid(), set(), threading.Event()
+
+    def interrupt_each_new_rank():
+        while not stop.is_set():
+            for d in os.listdir("/proc"):
+                if not d.isdigit() or int(d) in hit:
+                    continue
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                    with open(f"/proc/{d}/cmdline", "rb") as f:
+                        ours = ppid == me and b"spawn_main" in f.read()
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ours:  # a rank this test started
+                    os.kill(int(d), signal.SIGINT)
+                    hit.add(int(d))
+
+    th = threading.Thread(target=interrupt_each_new_rank, daemon=True)
+    th.start()
+    try:
+        out = run_ranks(sigint_state, 3, ignore_sigint=True, timeout=60)
+    finally:
+        stop.set()
+        th.join()
+    assert len(hit) == 3, hit
+    assert out == [(True, False)] * 3

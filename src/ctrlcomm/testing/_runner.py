@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import multiprocessing as mp
 import os
@@ -12,7 +13,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -98,8 +99,36 @@ def _tie_to_parent(parent: int) -> None:
         os._exit(1)
 
 
+@contextlib.contextmanager
+def _sigint_held(hold: bool) -> Iterator[None]:
+    """With ``hold``: SIGINT is blocked in this thread (a process started here inherits the
+    mask, across exec), and, in the main thread, a Ctrl-C meanwhile is raised only at the
+    end (another thread may take the signal: Python then raises it in the main thread at
+    once, in the middle of a process's start)."""
+    if not hold:
+        yield
+        return
+    got: list[int] = []
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+            if got:
+                signal.raise_signal(signal.SIGINT)  # as it would have been, had it waited
+
+
 def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
-           kwargs: dict[str, Any], q: Any, parent: int | None = None) -> None:
+           kwargs: dict[str, Any], q: Any, parent: int | None = None,
+           ignore_sigint: bool = False) -> None:
+    if ignore_sigint:  # (blocked since the fork: a Ctrl-C meanwhile is dropped here)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if parent is not None:
         _tie_to_parent(parent)
     try:
@@ -116,7 +145,7 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
               start_method: str = "spawn", may_die: tuple[int, ...] = (),
               kill_after_results: bool = False, fail_fast: bool = False,
-              **kwargs: Any) -> list[Any]:
+              ignore_sigint: bool = False, **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new processes.
 
     ``fn`` must be importable (a module-level function). Returns the results in rank order.
@@ -127,6 +156,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     killed (SIGKILL, which also ends a stopped process) once every other rank has reported.
     With ``fail_fast``, the first rank that fails (raises, or exits without a result) ends
     the run at once: the ranks still running are killed (they may be waiting for it).
+    With ``ignore_sigint``, the ranks ignore SIGINT from their start on (a terminal's Ctrl-C
+    reaches every process of its group: the caller stops the ranks instead), Python's
+    start-up included, during which SIGINT stays blocked.
     """
     ctx: Any = mp.get_context(start_method)
     q = ctx.Queue()
@@ -134,15 +166,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     # ranks are tied to it; and under forkserver a rank's parent is the server)
     parent = os.getpid() if threading.current_thread() is threading.main_thread() \
         and start_method in ("spawn", "fork") else None
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, kwargs, q, parent),
-                         daemon=True)
+    procs = [ctx.Process(target=_child, daemon=True,
+                         args=(fn, r, world_size, args, kwargs, q, parent, ignore_sigint))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
     failures: dict[int, str] = {}
     try:
+        with _sigint_held(ignore_sigint):
+            for p in procs:
+                p.start()
         while len(results) < world_size:
             try:
                 rank, ok, out = q.get(timeout=0.2)
@@ -190,6 +223,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         raise
     finally:
         for p in procs:
+            if p.pid is None:  # never started (interrupted before)
+                continue
             p.join(timeout=max(0.0, min(5.0, deadline + 5 - time.monotonic())))
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGKILL)
