@@ -184,6 +184,7 @@ class Core:
         self._stream = endpoint.STREAM and not key
         endpoint.on_lost = self._lost
         endpoint.key = key
+        endpoint.me = rank  # what a keyed message's MAC must be made for
         self._sink = endpoint.sink = self._accept
 
     def _lost(self, rank: int, why: str, certain: bool) -> None:
@@ -420,7 +421,7 @@ class Core:
                   op: int = 0, root: int = w.NO_ROOT) -> None:
         msg = w.Message(kind, self.rank, self.group_id, seq, rnd, op, root, payload=payload)
         try:
-            self.ep.send(dst, w.encode(msg, self.key))
+            self.ep.send(dst, w.encode(msg, self.key, dst))
         except Exception:  # a status or goodbye message is best effort
             pass
 
@@ -624,9 +625,13 @@ class Core:
                 ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint (STREAM)
                     dsts, w.stream_message(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
                                            root, codec, payload))
-            else:
+            elif not key:
                 ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
-                                            root, codec, payload, bufs, key))
+                                            root, codec, payload, bufs))
+            else:  # each destination's MAC
+                self._send_signed(dsts, w.frames_for(dsts, w.COLL, self.rank, self.group_id,
+                                                     seq, rnd, opcode, root, codec, payload,
+                                                     bufs, key))
             self.sent += len(sends)
             return
         # else one encoding per distinct object
@@ -639,9 +644,20 @@ class Core:
                 entry[1].append(dst)
         for obj, dsts in by_obj.values():
             payload, bufs = w.dumps(obj, codec)
-            ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
-                                        root, codec, payload, bufs, key))
+            if not key:
+                ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
+                                            root, codec, payload, bufs))
+            else:
+                self._send_signed(dsts, w.frames_for(dsts, w.COLL, self.rank, self.group_id,
+                                                     seq, rnd, opcode, root, codec, payload,
+                                                     bufs, key))
         self.sent += len(sends)
+
+    def _send_signed(self, dsts: Sequence[int], each: list[list[Any]]) -> None:
+        """Send ``each[i]`` to ``dsts[i]`` (one message, a MAC per destination)."""
+        send = self.ep.send
+        for d, frames in zip(dsts, each, strict=True):
+            send(d, frames)
 
     def _backpressure(self, dsts: list[int], deadline: float, t: float, name: str,
                       seq: int | None) -> Wait:
@@ -781,7 +797,7 @@ class Core:
                 n = self.p2p_out.get(d, 1)
                 msg = w.Message(w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT,
                                 self.codec, payload, bufs)
-                self.ep.send(d, w.encode(msg, self.key))
+                self.ep.send(d, w.encode(msg, self.key, d))
                 self.p2p_out[d] = n + 1
                 self.sent += 1
             yield from self._backpressure(list(dsts), time.monotonic() + t, t,

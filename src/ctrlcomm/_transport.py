@@ -236,6 +236,7 @@ class ZmqEndpoint:
         self._aw: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
+        self.me = -1  # this rank, for which what arrives must be MACed (set by the core)
         self.sink: Callable[[w.Message | None], int | None] | None = None  # unused here
         # ZeroMQ reconnects silently: a lost peer is not reported by this transport
         self.on_lost = on_lost
@@ -296,7 +297,7 @@ class ZmqEndpoint:
             except zmq.Again:
                 break
             n += 1
-            sink(w.decode_or_none(frames, self.key))
+            sink(w.decode_or_none(frames, self.key, self.me))
         return n
 
     def wait(self, timeout: float) -> None:
@@ -732,6 +733,7 @@ class TcpEndpoint:
         self.dropped: dict[str, int] = {}
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
+        self.me = -1  # this rank, for which what arrives must be MACed (set by the core)
         # where an awaited wait's reader callback hands what it reads (set by the core)
         self.sink: Callable[[w.Message | None], int | None] | None = None
         # one receive buffer, reused: recv(n) would allocate (and for large n, mmap) n bytes
@@ -991,7 +993,7 @@ class TcpEndpoint:
             raise e
         n = 0
         lfds = self._lfds
-        view, buf, key = self._rview, self._rbuf, self.key
+        view, buf, key, me = self._rview, self._rbuf, self.key, self.me
         ready, self._ready = self._ready, None
         for fd, ev in ready if ready is not None else self.ep.poll(0):
             if fd in lfds:
@@ -1024,7 +1026,7 @@ class TcpEndpoint:
                         break
                     budget += got
                     try:
-                        msgs = dec.messages(buf, got, key)
+                        msgs = dec.messages(buf, got, key, me)
                     except WireError:
                         self._count("malformed_stream")
                         self._drop_conn(c)
@@ -1316,11 +1318,14 @@ class Heartbeat:
     (the same kernel, network and PID namespace) whose process runs is waited for a while
     longer; a stopped, exited or hung one is lost (:meth:`running`).
 
-    Datagram: group id (8 bytes), sender rank (4 bytes), then a MAC of those when the group
-    has a key (a forged heartbeat could otherwise hide a dead peer).
+    Datagram: group id (8 bytes), sender rank (4 bytes), beat number (8 bytes: 1, 2, 3...),
+    then, when the group has a key, a MAC of those and of the rank it is sent to (a forged
+    heartbeat could otherwise hide a dead peer). A beat whose number is not above the last
+    one taken from its sender is dropped: a recorded heartbeat replayed, to its rank or to
+    another, cannot hide a stopped peer either.
     """
 
-    FMT = struct.Struct("<QI")
+    FMT = struct.Struct("<QIQ")
 
     def __init__(self, bind_host: str, group_id: int, rank: int, key: bytes | None,
                  interval: float) -> None:
@@ -1334,13 +1339,20 @@ class Heartbeat:
         self.procs: dict[int, tuple[int, int]] = {}  # same-host peers: (pid, start time)
         self._cpu_seen: dict[int, tuple[float, float]] = {}  # their (time, CPU s) last looked
         self.last_seen: dict[int, float] = {}
+        self.beats: dict[int, int] = {}  # the number of the last beat taken from each peer
         self.dropped = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _mac(self, body: bytes) -> bytes:
+    def _mac(self, body: bytes, dst: int) -> bytes:
         assert self.key is not None
-        return hashlib.blake2b(b"hb" + body, key=self.key, digest_size=16).digest()
+        return hashlib.blake2b(b"hb" + body + struct.pack("<q", dst), key=self.key,
+                               digest_size=16).digest()
+
+    def datagram(self, dst: int, n: int) -> bytes:
+        """Beat number ``n`` of this rank, for rank ``dst``."""
+        body = self.FMT.pack(self.group_id, self.rank, n)
+        return body + self._mac(body, dst) if self.key else body
 
     def start(self, peers: dict[int, tuple[str, int]],
               procs: dict[int, tuple[int, int]] | None = None) -> None:
@@ -1355,15 +1367,15 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        body = self.FMT.pack(self.group_id, self.rank)
-        msg = body + (self._mac(body) if self.key else b"")
         next_send = 0.0
+        n = 0
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_send:
-                for addr in self.peers.values():
+                n += 1
+                for dst, addr in self.peers.items():
                     try:
-                        self.sock.sendto(msg, addr)
+                        self.sock.sendto(self.datagram(dst, n), addr)
                     except OSError:
                         pass  # unreachable now; the peer's silence is what we report
                 next_send = now + self.interval
@@ -1383,13 +1395,17 @@ class Heartbeat:
         if len(data) != n + (16 if self.key else 0):
             self.dropped += 1
             return
-        gid, src = self.FMT.unpack_from(data)
+        gid, src, beat = self.FMT.unpack_from(data)
         if gid != self.group_id or src not in self.peers:
             self.dropped += 1
             return
-        if self.key and not hmac.compare_digest(self._mac(data[:n]), data[n:]):
+        if self.key and not hmac.compare_digest(self._mac(data[:n], self.rank), data[n:]):
             self.dropped += 1
             return
+        if beat <= self.beats.get(src, 0):  # a replay (or one overtaken on the way)
+            self.dropped += 1
+            return
+        self.beats[src] = beat
         self.last_seen[src] = time.monotonic()
 
     def catch_up(self) -> None:

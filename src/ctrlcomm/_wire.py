@@ -8,7 +8,9 @@ A group message is a list of frames (one ZeroMQ multipart message)::
 group id, seq, round/tag, root, number of out-of-band buffers). ``payload`` is the encoded
 object; large bytes-like parts of it travel as out-of-band frames (pickle protocol 5), so a
 1 MiB buffer is never copied into the pickle stream. With an authentication key the last frame
-is a MAC over every other frame, checked before anything is decoded.
+is a MAC over every other frame and the rank the message is for, checked before anything is
+decoded: a genuine frame sent to one rank is refused by every other (the header names its
+sender, not its destination).
 
 Store requests and replies have their own small headers (:data:`STORE_REQ`, :data:`STORE_REP`).
 
@@ -96,43 +98,79 @@ class Message(NamedTuple):
     buffers: tuple[Any, ...] = ()
 
 
-def _mac(key: bytes, frames: Sequence[Any]) -> bytes:
+_TO = struct.Struct("<2sq")  # what follows the frames in a MAC's input: b"to", the rank
+
+
+def _mac_state(key: bytes, frames: Sequence[Any]) -> Any:
+    """The MAC's hash over ``frames`` (each after its length: the input splits one way only);
+    the destination comes after it (:func:`_mac`)."""
     h = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
     for f in frames:
         view = memoryview(f)
         h.update(struct.pack("<Q", view.nbytes))
         h.update(view)
-    return h.digest()
+    return h
 
 
-def encode(msg: Message, key: bytes | None = None) -> list[Any]:
-    """Frames for ``msg`` (payload already encoded), with a MAC frame when ``key`` is set."""
-    return frames(*msg, key=key)
+def _mac(key: bytes, frames: Sequence[Any], dst: int) -> bytes:
+    h = _mac_state(key, frames)
+    h.update(_TO.pack(b"to", dst))
+    return h.digest()  # type: ignore[no-any-return]
+
+
+def encode(msg: Message, key: bytes | None = None, dst: int = -1) -> list[Any]:
+    """Frames for ``msg`` (payload already encoded), with a MAC frame when ``key`` is set,
+    valid at rank ``dst`` only."""
+    return frames(*msg, key=key, dst=dst)
 
 
 def frames(kind: int, src: int, group_id: int, seq: int, rnd: int, op: int, root: int,
-           codec: int, payload: Any, buffers: tuple[Any, ...] = (), key: bytes | None = None
-           ) -> list[Any]:
+           codec: int, payload: Any, buffers: tuple[Any, ...] = (), key: bytes | None = None,
+           dst: int = -1) -> list[Any]:
     """:func:`encode` of the message with these fields, without building the message."""
     header = HEADER.pack(MAGIC, VERSION, kind, op, codec, FLAG_MAC if key else 0, src,
                          group_id, seq, rnd, root, len(buffers))
     if not key:
         return [header, payload, *buffers] if buffers else [header, payload]
     out: list[Any] = [header, payload, *buffers]
-    out.append(_mac(key, out))
+    out.append(_mac(key, out, dst))
     return out
 
 
-def decode_or_none(frames: Sequence[Any], key: bytes | None = None) -> Message | None:
+def sign_each(frames: list[Any], key: bytes, dsts: Sequence[int]) -> list[list[Any]]:
+    """``frames`` of one message (from :func:`frames` without a key, but with the MAC flag
+    set: see :func:`frames_for`) with a MAC for each of ``dsts``, in that order: the hash
+    over the frames is computed once."""
+    h = _mac_state(key, frames)
+    out = []
+    for d in dsts:
+        hd = h.copy()
+        hd.update(_TO.pack(b"to", d))
+        out.append([*frames, hd.digest()])
+    return out
+
+
+def frames_for(dsts: Sequence[int], kind: int, src: int, group_id: int, seq: int, rnd: int,
+               op: int, root: int, codec: int, payload: Any, buffers: tuple[Any, ...],
+               key: bytes) -> list[list[Any]]:
+    """The frames of one message for each of ``dsts`` (with ``key``: each its own MAC)."""
+    header = HEADER.pack(MAGIC, VERSION, kind, op, codec, FLAG_MAC, src, group_id, seq, rnd,
+                         root, len(buffers))
+    return sign_each([header, payload, *buffers], key, dsts)
+
+
+def decode_or_none(frames: Sequence[Any], key: bytes | None = None, dst: int = -1
+                   ) -> Message | None:
     """:func:`decode`, or ``None`` for a malformed or unauthenticated message."""
     try:
-        return decode(frames, key)
+        return decode(frames, key, dst)
     except WireError:
         return None
 
 
-def decode(frames: Sequence[Any], key: bytes | None = None) -> Message:
-    """Parse and authenticate frames. Raises :class:`WireError` for anything malformed."""
+def decode(frames: Sequence[Any], key: bytes | None = None, dst: int = -1) -> Message:
+    """Parse and authenticate frames (with ``key``: sent to rank ``dst``, this rank). Raises
+    :class:`WireError` for anything malformed."""
     if len(frames) < 2:
         raise WireError(f"expected at least 2 frames, got {len(frames)}")
     head = frames[0]
@@ -160,10 +198,10 @@ def decode(frames: Sequence[Any], key: bytes | None = None) -> Message:
     if key:
         if not has_mac:
             raise WireError("unauthenticated frame")
-        want = _mac(key, frames[:-1])
+        want = _mac(key, frames[:-1], dst)
         got = frames[-1]
         if memoryview(got).nbytes != MAC_SIZE or not hmac.compare_digest(want, bytes(got)):
-            raise WireError("bad MAC")
+            raise WireError("bad MAC")  # (or one made for another rank)
     elif has_mac:
         raise WireError("authenticated frame on a group without a key")
     return Message(kind, src, gid, seq, rnd, op, root, codec, frames[1], tuple(frames[2 : 2 + nbuf]))
@@ -325,7 +363,7 @@ class StoreReply:
 
 
 def _store_mac(key: bytes, frames: Sequence[Any]) -> bytes:
-    return _mac(b"store\0" + key, frames)
+    return _mac_state(b"store\0" + key, frames).digest()  # type: ignore[no-any-return]
 
 
 def _check_store_mac(frames: Sequence[Any], key: bytes | None) -> Sequence[Any]:
@@ -461,13 +499,13 @@ class StreamDecoder:
             self.error = e
             return out
 
-    def messages(self, buf: bytes | bytearray, end: int, key: bytes | None = None
-                 ) -> list[Message | None]:
+    def messages(self, buf: bytes | bytearray, end: int, key: bytes | None = None,
+                 dst: int = -1) -> list[Message | None]:
         """Add ``buf[:end]``; return the group messages now complete, decoded
         (:func:`decode`), with ``None`` for each malformed or unauthenticated one. Framing
         errors as :meth:`feed`. (``buf`` is a receive buffer: nothing returned refers to it.)
 
-        The same as ``[decode_or_none(f, key) for f in feed(buf[:end])]``, in one pass for
+        The same as ``[decode_or_none(f, key, dst) for f in feed(buf[:end])]``, in one pass for
         the usual case: a read that holds whole unauthenticated two-frame messages only."""
         if key is None and not self.buf and self._lens is None and self.error is None:
             pos = 0
@@ -492,7 +530,7 @@ class StreamDecoder:
                 return out
             # the rest the general way (what was decoded above is decoded again)
         with memoryview(buf) as view:
-            return [decode_or_none(f, key) for f in self.feed(view[:end])]
+            return [decode_or_none(f, key, dst) for f in self.feed(view[:end])]
 
     def _whole(self, data: bytes | memoryview) -> list[list[bytes]] | None:
         """Messages straight from ``data`` when it holds whole, well-formed messages only

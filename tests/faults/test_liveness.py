@@ -305,8 +305,8 @@ def test_catch_up_reads_the_heartbeats_waiting_in_the_socket_without_waiting():
     a, b = (Heartbeat("127.0.0.1", 7, r, None, 5.0) for r in (0, 1))
     try:
         b.peers, b.last_seen = {0: ("127.0.0.1", a.port)}, {0: 0.0}  # thread not started
-        for _ in range(5):
-            a.sock.sendto(Heartbeat.FMT.pack(7, 0), ("127.0.0.1", b.port))
+        for n in range(1, 6):
+            a.sock.sendto(a.datagram(1, n), ("127.0.0.1", b.port))
         time.sleep(0.1)
         t = time.monotonic()
         b.catch_up()
@@ -314,6 +314,36 @@ def test_catch_up_reads_the_heartbeats_waiting_in_the_socket_without_waiting():
         t = time.monotonic()
         b.catch_up()  # nothing waiting: returns at once, not after the socket's 5 s timeout
         assert time.monotonic() - t < 1.0
+    finally:
+        a.sock.close()
+        b.sock.close()
+
+
+@pytest.mark.parametrize("key", [None, b"k" * 16])
+def test_a_replayed_heartbeat_or_one_made_for_another_rank_is_dropped(key):
+    """A recorded heartbeat sent again (to its rank or another) would keep a stopped peer
+    looking alive; with a key, one made for another rank does not pass either."""
+    from ctrlcomm._transport import Heartbeat
+
+    a, b = (Heartbeat("127.0.0.1", 7, r, key, 5.0) for r in (0, 1))
+    to_b = ("127.0.0.1", b.port)
+    try:
+        b.peers, b.last_seen = {0: ("127.0.0.1", a.port)}, {0: 0.0}  # thread not started
+
+        def taken(datagram):
+            b.last_seen[0] = 0.0
+            a.sock.sendto(datagram, to_b)
+            time.sleep(0.05)
+            b.catch_up()
+            return b.last_seen[0] > 0
+
+        assert taken(a.datagram(1, 3))
+        assert not taken(a.datagram(1, 3))  # the same beat again
+        assert not taken(a.datagram(1, 2))  # an older one
+        if key:
+            assert not taken(a.datagram(2, 4))  # beat 4, made for rank 2
+        assert taken(a.datagram(1, 4))
+        assert b.dropped == (3 if key else 2)
     finally:
         a.sock.close()
         b.sock.close()

@@ -31,7 +31,7 @@ def authed_group(g):
                                     b"\x80\x05K\x01."))
         genuine = w.encode(w.Message(w.P2P, 1, gid, 1, 0, 0, w.NO_ROOT, w.PICKLE,
                                      b"\x80\x05\x95\x06\x00\x00\x00\x00\x00\x00\x00\x8c\x02ok\x94."),
-                           key=KEY.encode())
+                           key=KEY.encode(), dst=0)
         with socket.create_connection((host, int(port))) as s:
             for frames in (forged, unauth, genuine, genuine):  # the last one is a replay
                 s.sendall(w.stream_prefix(frames) + b"".join(frames))
@@ -56,6 +56,44 @@ def test_authenticated_group_drops_forged_unauthenticated_and_replayed_frames():
     assert r0[4].get("malformed") == 2
     # the impostor connection was dropped after its first genuine-looking frame
     assert r0[4].get("replayed", 0) + r0[4].get("duplicate_source", 0) >= 1
+
+
+def frame_for_another_rank(g):
+    """Rank 1 writes, on a connection of its own to rank 0, genuine frames (the group's key,
+    rank 1's next numbers) made for rank 2, as an observer of rank 1's traffic to rank 2
+    could replay them: rank 0 takes none, and rank 1's messages to it after them still come."""
+    out = []
+    if g.rank == 1:
+        host, port = g._core.ep.peers[0][len("tcp://"):].rsplit(":", 1)
+        gid = g._core.group_id
+        with socket.create_connection((host, int(port))) as s:
+            for n in (1, 2):
+                frames = w.encode(w.Message(w.P2P, 1, gid, n, 0, 0, w.NO_ROOT, w.PICKLE,
+                                            pickle.dumps(f"for rank 2 only #{n}")),
+                                  key=KEY.encode(), dst=2)
+                s.sendall(w.stream_prefix(frames) + b"".join(frames))
+            coll = w.encode(w.Message(w.COLL, 1, gid, g._core.seq, 0, w.OP_CODE["broadcast"], 1,
+                                      w.PICKLE, pickle.dumps("a broadcast for rank 2")),
+                            key=KEY.encode(), dst=2)
+            s.sendall(w.stream_prefix(coll) + b"".join(coll))
+            time.sleep(0.3)
+        g.send("genuine 1", 0)
+        g.send("genuine 2", 0)
+    got = g.broadcast("b" if g.rank == 1 else None, src=1)
+    if g.rank == 0:
+        out += [got, g.recv(1, timeout=10), g.recv(1, timeout=10)]
+        try:
+            out.append(g.recv(1, timeout=0.5))
+        except ctrlcomm.CollectiveTimeoutError:
+            out.append("nothing more")
+        out.append(g.stats()["dropped"].get("malformed", 0))
+    g.barrier()
+    return out
+
+
+def test_a_genuine_frame_made_for_another_rank_is_refused():
+    res = run_group(frame_for_another_rank, 3, group_kwargs={"auth_key": KEY})
+    assert res[0] == ["b", "genuine 1", "genuine 2", "nothing more", 3], res[0]
 
 
 def env_key(rank, size, port):

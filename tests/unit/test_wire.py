@@ -66,6 +66,21 @@ def test_unpicklable_raises_codec_error():
         w.dumps(lambda: 1, w.PICKLE)
 
 
+def test_a_mac_is_good_at_the_rank_it_was_made_for_only():
+    m = msg(payload=b"p" * 100, buffers=(b"b" * 70000,))
+    for dst in (0, 1, 5):
+        frames = w.encode(m, KEY, dst)
+        assert w.decode(frames, KEY, dst) == m
+        for other in {-1, 0, 1, 5, 2**31} - {dst}:
+            with pytest.raises(WireError, match="bad MAC"):
+                w.decode(frames, KEY, other)
+    # one message for several ranks, hashed once: the same frames as made one by one
+    dsts = [4, 0, 2]
+    each = w.frames_for(dsts, *m[:-1], m.buffers, KEY)
+    assert each == [w.encode(m, KEY, d) for d in dsts]
+    assert [w.decode(f, KEY, d) for f, d in zip(each, dsts, strict=True)] == [m] * 3
+
+
 def test_mac_rejects_tampering_and_wrong_key():
     frames = w.encode(msg(), KEY)
     for i in range(len(frames)):
