@@ -672,6 +672,11 @@ class Core:
                 raise self.cause  # type: ignore[misc]
             self.waiting_for = full
             self.pump()
+            # the pump may have sent it all: then no event would end a wait (two ranks
+            # sending to each other waited for their deadlines so)
+            full = [d for d in full if self.ep.backlog(d) > MAX_BACKLOG]
+            if not full:
+                return
             now = time.monotonic()
             lost, suspect_at = self._check_lost(full, now)
             if lost:

@@ -199,6 +199,29 @@ def test_p2p_ring():
     assert res == [("hello", (r - 1) % 5) for r in range(5)]
 
 
+def two_way_streams(g, rounds, n, size):
+    """Each of two ranks sends ``n`` messages of ``size`` bytes to the other, more than its
+    send buffers hold, then takes the other's; ``rounds`` times."""
+    other = 1 - g.rank
+    blob = bytes([g.rank]) * size
+    for r in range(rounds):
+        for i in range(n):
+            g.send((r, i, blob), other)
+        got = [g.recv(other) for _ in range(n)]
+        assert [(x[0], x[1], x[2][:1]) for x in got] == [(r, i, bytes([other])) for i in range(n)]
+    return rounds
+
+
+@pytest.mark.slow
+def test_two_ranks_sending_more_than_their_buffers_to_each_other_never_wait_for_nothing():
+    """A send that waits for its queue to drain (backpressure) stops waiting once it has
+    drained: it used to sleep on, when the last of it went out while it read (the peer, in
+    a recv, had nothing more to send: both waited until a deadline, here the group's 300 s,
+    past the run's 60 s)."""
+    assert run_group(two_way_streams, 2, 20, 20, 1 << 20, timeout=60,
+                     group_kwargs={"liveness_timeout": None, "timeout": 300}) == [20, 20]
+
+
 def reuse_name_after_formation(rank, size, port):
     from ctrlcomm import Group
 
