@@ -796,7 +796,9 @@ class Core:
         self.enter(what or "send")
         t = self.timeout if timeout is None else float(timeout)
         dsts = dst if isinstance(dst, tuple) else (dst,)
+        name = what or f"send(dst={dst}, tag={tag})"
         try:
+            self._unreachable(dsts, name)
             payload, bufs = w.dumps(obj, self.codec)
             for d in dsts:
                 n = self.p2p_out.get(d, 1)
@@ -805,11 +807,21 @@ class Core:
                 self.ep.send(d, w.encode(msg, self.key, d))
                 self.p2p_out[d] = n + 1
                 self.sent += 1
-            yield from self._backpressure(list(dsts), time.monotonic() + t, t,
-                                          what or f"send(dst={dst}, tag={tag})", None)
+            yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None)
+            self._unreachable(dsts, name)  # lost while it was sent: the rest was dropped
         finally:
             self.waiting_for = []
             self.leave()
+
+    def _unreachable(self, dsts: Sequence[int], name: str) -> None:
+        """Raise PeerLostError if the connection to one of ``dsts`` is lost (the rank is gone,
+        or the stream this rank sends it failed): a message to it would be dropped unsaid."""
+        lost = [d for d in dsts if d in self.gone or d in self.suspects]
+        if lost:
+            raise PeerLostError(
+                f"{name} on group {self.name!r}: " + "; ".join(
+                    f"rank {d} {self.gone[d] if d in self.gone else self.suspects[d][1]}"
+                    for d in lost), ranks=lost)
 
     def recv(self, src: int, tag: int, timeout: float | None, what: str = "") -> Wait:
         """The next message of ``src`` with ``tag``; ``what`` names the call in errors."""

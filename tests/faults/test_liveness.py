@@ -523,3 +523,38 @@ def test_a_send_on_a_connection_the_peer_reset_reports_the_reset(path, monkeypat
     finally:
         ep.close()
         srv.close()
+
+
+def send_to_a_rank_that_dies(rank, size, port):
+    """Rank 1 never reads and is killed 1 s in; rank 0 sends it 1 MiB messages, more than
+    the kernel's buffers hold, then, once it knows, one more; and sends to rank 2."""
+    g = _group(rank, size, port)
+    g.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = None
+    if rank == 0:
+        out = []
+        for i in range(40):
+            try:
+                g.send(b"x" * (1 << 20), 1)
+            except ctrlcomm.PeerLostError as e:
+                out.append((i, e.ranks, str(e)))
+                break
+        try:
+            g.send("once more", 1)
+        except ctrlcomm.PeerLostError as e:
+            out.append(("after", e.ranks, str(e)))
+        g.send("to rank 2", 2)
+    if rank == 2:
+        out = g.recv(0)
+    return out
+
+
+def test_a_send_to_a_lost_rank_raises_naming_it_and_the_others_still_work(store):
+    res = run_ranks(send_to_a_rank_that_dies, 3, store.port, may_die=(1,), timeout=60)
+    assert res[2] == "to rank 2"
+    (i, ranks, msg), (after, ranks2, msg2) = res[0]
+    assert i < 40 and ranks == [1] and "send(dst=1" in msg and "rank 1" in msg, res[0]
+    assert after == "after" and ranks2 == [1] and "rank 1" in msg2, res[0]
