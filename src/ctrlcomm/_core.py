@@ -38,7 +38,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple
 
-from . import _plans
+from . import _ops, _plans
 from . import _wire as w
 from ._errors import (
     CodecError,
@@ -97,6 +97,18 @@ def describe(op: int, root: int) -> str:
     return parts[0] + (f"({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
+# What one message may carry, encoded (header and framing aside): a receiver drops a stream
+# whose message is larger (w.MAX_MESSAGE).
+MAX_PAYLOAD = w.MAX_MESSAGE - 64 * 1024
+
+
+def _check_size(payload: Any, bufs: tuple[Any, ...]) -> None:
+    size = memoryview(payload).nbytes + sum(memoryview(b).nbytes for b in bufs)
+    if size > MAX_PAYLOAD:
+        raise CodecError(f"the object is {size / 2**30:.2f} GiB encoded, more than a message "
+                         f"carries ({MAX_PAYLOAD / 2**30:.2f} GiB): send it in parts")
+
+
 def _undecodable(m: w.Message, what: str, seq: int | None, e: Exception) -> CodecError:
     where = what if seq is None else f"{what} #{seq}"
     return CodecError(f"{where}: cannot decode the object from rank {m.src}: "
@@ -111,7 +123,7 @@ class Call(NamedTuple):
     args: tuple[Any, ...]
     opcode: int
     root: int = w.NO_ROOT
-    reduces: bool = False  # a reduction: the result may be an _ops.Failed, raised by the caller
+    reduces: bool = False  # the result may be or hold an _ops.Failed, raised by the caller
 
 
 _monotonic = time.monotonic
@@ -160,6 +172,8 @@ class Core:
         self.active: tuple[str, int, int, int] | None = None  # (name, seq, opcode, root)
         self.waiting_for: list[int] = []
         self.mismatch: MismatchError | None = None
+        # this rank's object the current collective could not send (sent in its place)
+        self._send_failed: _ops.Failed | None = None
         self.last: tuple[str, int | None] = ("nothing yet", None)
         self._lock = threading.Lock()
         self._owner = ""
@@ -514,6 +528,8 @@ class Core:
                     result = e.value
                     if self.mismatch is not None:  # found by a send's read (_backpressure)
                         raise self.mismatch from None
+                    if self._send_failed is not None:  # its object could not be sent:
+                        result, self._send_failed = self._send_failed, None  # raised above
                     break
                 if sends:
                     self._post(sends, rnd, seq, opcode, root)
@@ -584,6 +600,7 @@ class Core:
             self.brk(e)
             raise
         finally:
+            self._send_failed = None
             left = box.pop(seq, None)
             if left:  # duplicates, or the rest of a failed call
                 self.dropped["stale"] += len(left)
@@ -618,7 +635,12 @@ class Core:
             if o is not obj:
                 break
         else:  # one object for every destination (a single send, a root's result)
-            payload, bufs = w.dumps(obj, codec)
+            try:
+                payload, bufs = w.dumps(obj, codec)
+            except CodecError as e:
+                payload, bufs = self._unsendable(e, opcode)
+            if bufs or len(payload) > MAX_PAYLOAD:
+                payload, bufs = self._sized(payload, bufs, opcode)
             dsts = [sends[0][0]] if len(sends) == 1 else [d for d, _ in sends]
             if self._stream and not bufs and type(payload) is bytes \
                     and len(payload) < COPY_THRESHOLD:  # the usual: one piece, framed at once
@@ -643,7 +665,12 @@ class Core:
             else:
                 entry[1].append(dst)
         for obj, dsts in by_obj.values():
-            payload, bufs = w.dumps(obj, codec)
+            try:
+                payload, bufs = w.dumps(obj, codec)
+            except CodecError as e:
+                payload, bufs = self._unsendable(e, opcode)
+            if bufs or len(payload) > MAX_PAYLOAD:
+                payload, bufs = self._sized(payload, bufs, opcode)
             if not key:
                 ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
                                             root, codec, payload, bufs))
@@ -652,6 +679,27 @@ class Core:
                                                      seq, rnd, opcode, root, codec, payload,
                                                      bufs, key))
         self.sent += len(sends)
+
+    def _unsendable(self, e: CodecError, opcode: int) -> tuple[Any, tuple[Any, ...]]:
+        """What a collective sends in place of an object this rank cannot encode: the
+        failure, which every rank that gets it raises, as this one does when its plan is
+        done (raising now would leave the others waiting for its part, or pairing it with
+        this rank's next call)."""
+        what = w.OP_NAME.get(opcode & 0xF, "collective")
+        failed = _ops.Failed(f"{what} #{self.seq - 1} on rank {self.rank}: {e}", "codec")
+        if self._send_failed is None:
+            self._send_failed = failed
+        return w.dumps(failed, self.codec)
+
+    def _sized(self, payload: Any, bufs: tuple[Any, ...], opcode: int
+               ) -> tuple[Any, tuple[Any, ...]]:
+        """``payload`` and ``bufs``, or, where they are more than a message may carry (the
+        receivers would drop the stream), the failure to send instead (:meth:`_unsendable`)."""
+        try:
+            _check_size(payload, bufs)
+        except CodecError as e:
+            return self._unsendable(e, opcode)
+        return payload, bufs
 
     def _send_signed(self, dsts: Sequence[int], each: list[list[Any]]) -> None:
         """Send ``each[i]`` to ``dsts[i]`` (one message, a MAC per destination)."""
@@ -799,7 +847,13 @@ class Core:
         name = what or f"send(dst={dst}, tag={tag})"
         try:
             self._unreachable(dsts, name)
-            payload, bufs = w.dumps(obj, self.codec)
+            try:
+                payload, bufs = w.dumps(obj, self.codec)
+                if bufs or len(payload) > MAX_PAYLOAD:
+                    _check_size(payload, bufs)
+            except CodecError as e:
+                raise CodecError(f"{name} on group {self.name!r}, rank {self.rank}: {e}"
+                                 ) from None
             for d in dsts:
                 n = self.p2p_out.get(d, 1)
                 msg = w.Message(w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT,

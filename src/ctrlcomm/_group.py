@@ -175,8 +175,9 @@ def _barrier_call(size: int) -> Call:
     return Call("barrier", choose("barrier", size), _NO_ARGS, w.OP_CODE["barrier"])
 
 
-# In a data-only group a call may carry a rank's failure to encode its object (see
-# _sendable): its result is then checked (Call.reduces) and the failure raised everywhere.
+# A call may carry a rank's failure to encode its object in place of the object (a data-only
+# group's, found before the call: _sendable; any group's, found sending: Core._unsendable):
+# each call's result is checked (Call.reduces) and the failure raised everywhere.
 
 
 def _spec_broadcast(core: Core, obj: Any, src: int) -> Call:
@@ -187,7 +188,7 @@ def _spec_broadcast(core: Core, obj: Any, src: int) -> Call:
     # only the root knows the payload; every rank must pick the same plan, so the size
     # test cannot depend on it: the small-world variant is flat whatever the size
     return _new_call(Call, ("broadcast", choose("broadcast", core.size), (obj, root),
-                            _BROADCAST, root, checked))
+                            _BROADCAST, root, True))
 
 
 def _spec_gather(core: Core, obj: Any, dst: int) -> Call:
@@ -196,7 +197,7 @@ def _spec_gather(core: Core, obj: Any, dst: int) -> Call:
     if checked:
         obj = _sendable(core, obj, "gather")
     return Call("gather", choose("gather", core.size), (obj, root), w.OP_CODE["gather"], root,
-                checked)
+                True)
 
 
 def _spec_all_gather(core: Core, obj: Any) -> Call:
@@ -204,7 +205,7 @@ def _spec_all_gather(core: Core, obj: Any) -> Call:
     if checked:
         obj = _sendable(core, obj, "all_gather")
     return _new_call(Call, ("all_gather", choose("all_gather", core.size), (obj,),
-                            _ALL_GATHER, w.NO_ROOT, checked))
+                            _ALL_GATHER, w.NO_ROOT, True))
 
 
 def _spec_scatter(core: Core, objs: Any, src: int) -> Call:
@@ -214,7 +215,7 @@ def _spec_scatter(core: Core, objs: Any, src: int) -> Call:
     if checked and mine is not None:
         mine = _sendable_each(core, mine, "scatter")
     return Call("scatter", choose("scatter", core.size), (mine, root), w.OP_CODE["scatter"],
-                root, checked)
+                root, True)
 
 
 # (call name, named op) -> combine function, opcode, the number types the op takes unchecked
@@ -268,7 +269,7 @@ def _spec_all_to_all(core: Core, objs: Any) -> Call:
     if checked:
         mine = _sendable_each(core, mine, "all_to_all")
     return Call("all_to_all", _plans.all_to_all, (mine,), w.OP_CODE["all_to_all"],
-                w.NO_ROOT, checked)
+                w.NO_ROOT, True)
 
 
 # the calls whose result is a list of the ranks' objects: one may be a rank's failure

@@ -176,6 +176,70 @@ def test_an_object_one_rank_cannot_encode_fails_the_call_and_keeps_the_group_in_
                 assert kind == "CodecError" and "rank 1" in what, (r, name, kind, what)
 
 
+def one_rank_cannot_pickle(g, limit):
+    """The pickle codec's twin of one_rank_cannot_encode: only rank 1's object cannot be
+    sent (it cannot be pickled, or is larger than a message may carry, here ``limit``
+    bytes), which rank 1 finds while sending: it sends the failure in its place."""
+    import threading
+
+    import ctrlcomm._core as core
+
+    core.MAX_PAYLOAD = limit
+    r, n = g.rank, g.world_size
+    calls = {
+        "broadcast": lambda bad: g.broadcast(bad if r == 1 else None, src=1),
+        "gather": lambda bad: g.gather(bad if r == 1 else r, dst=0),
+        "all_gather": lambda bad: g.all_gather(bad if r == 1 else r),
+        "scatter": lambda bad: g.scatter([bad] * n if r == 1 else None, src=1),
+        "all_to_all": lambda bad: g.all_to_all([bad if r == 1 else r] * n),
+        "all_reduce": lambda bad: g.all_reduce(bad if r == 1 else 1, op=lambda a, b: a),
+    }
+    out = {}
+    i = 0
+    for what, bad in (("lock", threading.Lock()), ("large", b"x" * (limit + 1))):
+        for name, call in calls.items():
+            try:
+                got = ("returned", call(bad))
+            except ctrlcomm.CodecError as e:
+                got = ("CodecError", str(e))
+            out[(what, name)] = got, g.all_reduce(i, timeout=10)
+            i += 1
+    p2p = []
+    if r == 1:
+        for bad in (threading.Lock(), b"x" * (limit + 1)):
+            try:
+                g.send(bad, 0)
+            except ctrlcomm.CodecError as e:
+                p2p.append(str(e))
+        g.send("after", 0)
+    elif r == 0:
+        p2p.append(g.recv(1))
+    return out, p2p, g.stats()["state"]
+
+
+def test_an_object_one_rank_cannot_send_fails_the_call_everywhere_and_keeps_the_group():
+    res = run_group(one_rank_cannot_pickle, 3, 1 << 20)
+    for r, (out, _, state) in enumerate(res):
+        assert state == "open"
+        for i, ((what, name), ((kind, text), after)) in enumerate(out.items()):
+            assert after == 3 * i, (r, what, name, after)
+            if name == "gather" and r == 2:  # neither the destination nor the sender
+                assert kind == "returned", (r, what, name, kind, text)
+            else:
+                assert kind == "CodecError" and f"{name} #" in text and "rank 1" in text, \
+                    (r, what, name, kind, text)
+                assert ("pickle" if what == "lock" else "GiB encoded") in text, text
+    assert res[0][1] == ["after"]
+    assert len(res[1][1]) == 2 and "send(dst=0" in res[1][1][0] and "rank 1" in res[1][1][0]
+    assert "more than a message carries" in res[1][1][1]
+
+
+def test_what_a_message_may_carry_is_less_than_what_a_receiver_takes():
+    import ctrlcomm._core as core
+
+    assert 0 < core.MAX_PAYLOAD < w.MAX_MESSAGE - w.HEADER.size - w.MAC_SIZE
+
+
 class _OpensAFile:
     """Unpickling this creates the file: proof that a payload was unpickled."""
 
