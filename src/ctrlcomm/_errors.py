@@ -29,8 +29,9 @@ from collections.abc import Sequence
 from typing import Any
 
 
-class CtrlcommError(Exception):
-    """Base of every error ctrlcomm raises."""
+class CtrlcommError(RuntimeError):
+    """Base of every error ctrlcomm raises: a RuntimeError, as torch.distributed's errors
+    are (code written for vLLM's StatelessProcessGroup or torch's stores catches those)."""
 
 
 class InvalidArgumentError(CtrlcommError, ValueError):

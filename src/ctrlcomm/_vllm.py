@@ -46,6 +46,11 @@ def _copy_into(tensor: Any, data: Any) -> None:
         tensor.copy_(data)
 
 
+def _on_device_of(got: Any, like: Any) -> Any:
+    device = getattr(like, "device", None)
+    return got if device is None or got.device == device else got.to(device)
+
+
 class StatelessProcessGroup:
     """A group made without torch.distributed's global state (vLLM's API).
 
@@ -134,40 +139,46 @@ class StatelessProcessGroup:
 
     # ------------------------------------------------------------------ tensors
 
+    # As vLLM's: broadcast and all_reduce return a new tensor (on the other ranks, the
+    # source's; the one given is left as it is), recv copies into the one given.
+
     def broadcast(self, tensor: Any, src: int) -> Any:
-        """Copy ``src``'s tensor into ``tensor`` on every rank (in place); returns it."""
+        """``src``'s tensor: the source gets ``tensor`` back; every other rank a new tensor
+        (of the source's shape and dtype, on the device of the ``tensor`` it passed, which
+        is left as it is)."""
         payload = tensor.detach().cpu() if self.rank == src else None
         got = self._group.broadcast(payload, src=src)
-        if self.rank != src:
-            self._fill(tensor, got, "broadcast", src)
-        return tensor
+        if self.rank == src:
+            return tensor
+        return _on_device_of(got, tensor)
 
     def send(self, tensor: Any, dst: int) -> None:
         """Send a tensor to ``dst``."""
         self._group.send(tensor.detach().cpu(), dst, tag=_TENSOR_TAG)
 
     def recv(self, tensor: Any, src: int) -> Any:
-        """Receive the next tensor from ``src`` into ``tensor`` (same shape and dtype)."""
+        """Receive the next tensor from ``src`` into ``tensor`` (``tensor.copy_``: another
+        dtype is cast, a shape broadcast to ``tensor``'s); returns ``tensor``."""
         got = self._group.recv(src, tag=_TENSOR_TAG)
-        self._fill(tensor, got, "recv", src)
+        try:
+            _copy_into(tensor, got)
+        except RuntimeError as e:
+            raise InvalidArgumentError(
+                f"recv on rank {self.rank}: rank {src} sent a tensor of shape "
+                f"{tuple(got.shape)} and dtype {got.dtype}, which does not fit this rank's "
+                f"{tuple(tensor.shape)} {tensor.dtype}: {e}") from None
         return tensor
 
     def all_reduce(self, tensor: Any, op: Any = None) -> Any:
-        """Reduce ``tensor`` over all ranks in place (``ReduceOp.SUM`` by default)."""
+        """``tensor`` reduced over all ranks (``ReduceOp.SUM`` by default), as a new tensor
+        on ``tensor``'s device; ``tensor`` is left as it is."""
         import torch.distributed as dist
 
         name = _torch_op(dist.ReduceOp.SUM if op is None else op)
-        result = self._group.all_reduce(tensor.detach().cpu(), op=name)
-        _copy_into(tensor, result)
-        return tensor
-
-    def _fill(self, tensor: Any, got: Any, what: str, src: int) -> None:
-        if tuple(got.shape) != tuple(tensor.shape) or got.dtype != tensor.dtype:
-            raise InvalidArgumentError(
-                f"{what} on rank {self.rank}: rank {src} sent a tensor of shape "
-                f"{tuple(got.shape)} and dtype {got.dtype}, this rank expects "
-                f"{tuple(tensor.shape)} {tensor.dtype}")
-        _copy_into(tensor, got)
+        payload = tensor.detach().cpu()
+        if payload.data_ptr() == tensor.data_ptr():  # (a CPU tensor: the same memory)
+            payload = payload.clone()
+        return _on_device_of(self._group.all_reduce(payload, op=name), tensor)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -248,6 +248,8 @@ def test_memory_flat_after_100k_broadcasts():
 
 
 def spg_tensors(rank, size, port):
+    """The tensor methods as vLLM's: broadcast and all_reduce return a new tensor and leave
+    the one given as it was; recv copies into the one given (casting its dtype)."""
     import torch
     import torch.distributed as dist
 
@@ -255,38 +257,50 @@ def spg_tensors(rank, size, port):
 
     pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
     t = torch.full((2, 3), float(rank))
-    pg.broadcast(t, src=1)
-    out = {"bcast": t.tolist()}
+    got = pg.broadcast(t, src=1)
+    out = {"bcast": got.tolist(), "bcast_given": t.tolist(), "root_gets_its_own": got is t}
+    # a placeholder of another shape: the source's tensor comes back all the same
+    out["bcast_placeholder"] = pg.broadcast(torch.arange(3) if rank == 2 else torch.empty(0),
+                                            src=2).tolist()
     x = torch.tensor([rank + 1, -rank], dtype=torch.int64)
-    out["sum"] = pg.all_reduce(x.clone(), op=dist.ReduceOp.SUM).tolist()
-    out["max"] = pg.all_reduce(x.clone(), op=dist.ReduceOp.MAX).tolist()
-    out["min"] = pg.all_reduce(x.clone(), op=dist.ReduceOp.MIN).tolist()
-    out["prod"] = pg.all_reduce(x.clone(), op=dist.ReduceOp.PRODUCT).tolist()
+    for name, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX),
+                     ("min", dist.ReduceOp.MIN), ("prod", dist.ReduceOp.PRODUCT)):
+        r = pg.all_reduce(x, op=op)
+        out[name] = r.tolist()
+        assert r is not x
+    out["default_op"] = pg.all_reduce(x).tolist()
+    out["x_after"] = x.tolist()
     try:
-        pg.all_reduce(x.clone(), op=dist.ReduceOp.BAND)
+        pg.all_reduce(x, op=dist.ReduceOp.BAND)
     except ctrlcomm.InvalidArgumentError as e:
         out["band"] = str(e)
     if rank == 0:
         pg.send(torch.arange(4, dtype=torch.float32), dst=1)
         pg.send_obj("an object, not a tensor", dst=1)
+        pg.send(torch.tensor([1, 2, 3, 4]), dst=1)  # int64, into a float32 tensor
+        pg.send(torch.ones(3), dst=1)  # a shape that does not fit
     elif rank == 1:
         buf = torch.zeros(4)
-        pg.recv(buf, src=0)
+        out["recv_returns_it"] = pg.recv(buf, src=0) is buf
         out["recv"] = buf.tolist()
         out["obj"] = pg.recv_obj(0)
+        pg.recv(buf, src=0)
+        out["recv_cast"] = (buf.tolist(), buf.dtype == torch.float32)
+        try:
+            pg.recv(buf, src=0)
+        except ctrlcomm.InvalidArgumentError as e:
+            out["recv_misfit"] = str(e)
     out["as_tensor"] = type(pg.broadcast_obj(torch.tensor([7]), src=0)).__name__
-    # into parameters (tensors that require grad), as a trainer syncs weights; torch's own
-    # collectives write them in place too
+    # parameters (tensors that require grad), as a trainer syncs weights
     p = torch.nn.Parameter(torch.full((2,), float(rank + 1)))
-    pg.broadcast(p, src=1)
-    out["param_bcast"] = p.tolist()
-    pg.all_reduce(p, op=dist.ReduceOp.SUM)
-    out["param_sum"] = (p.tolist(), p.requires_grad)
+    out["param_bcast"] = pg.broadcast(p, src=1).tolist()
+    s = pg.all_reduce(p, op=dist.ReduceOp.SUM)
+    out["param_sum"] = (s.tolist(), p.tolist(), p.requires_grad)
     if rank == 0:
         pg.send(torch.tensor([5.0, 6.0]), dst=2)
     elif rank == 2:
-        pg.recv(p, src=0)
-        out["param_recv"] = p.tolist()
+        pg.recv(p, src=0)  # into a parameter: in place, without autograd
+        out["param_recv"] = (p.tolist(), p.requires_grad)
     return out
 
 
@@ -294,17 +308,22 @@ def spg_tensors(rank, size, port):
 def test_tensor_methods():
     pytest.importorskip("torch")
     res = run_ranks(spg_tensors, 3, free_port())
-    for out in res:
-        assert out["bcast"] == [[1.0] * 3] * 2
+    for r, out in enumerate(res):
+        assert out["bcast"] == [[1.0] * 3] * 2 and out["bcast_given"] == [[float(r)] * 3] * 2
+        assert out["root_gets_its_own"] == (r == 1)
+        assert out["bcast_placeholder"] == [0, 1, 2]
         assert out["sum"] == [6, -3] and out["max"] == [3, 0]
         assert out["min"] == [1, -2] and out["prod"] == [6, 0]
+        assert out["default_op"] == [6, -3] and out["x_after"] == [r + 1, -r]
         assert "not supported" in out["band"]
         assert out["as_tensor"] == "Tensor"
-    assert res[1]["recv"] == [0.0, 1.0, 2.0, 3.0]
+        assert out["param_bcast"] == [2.0, 2.0]
+        assert out["param_sum"] == ([6.0, 6.0], [r + 1.0] * 2, True)
+    assert res[1]["recv_returns_it"] is True and res[1]["recv"] == [0.0, 1.0, 2.0, 3.0]
     assert res[1]["obj"] == "an object, not a tensor"
-    for out in res:
-        assert out["param_bcast"] == [2.0, 2.0] and out["param_sum"] == ([6.0, 6.0], True)
-    assert res[2]["param_recv"] == [5.0, 6.0]
+    assert res[1]["recv_cast"] == ([1.0, 2.0, 3.0, 4.0], True)
+    assert "rank 0" in res[1]["recv_misfit"] and "(3,)" in res[1]["recv_misfit"]
+    assert res[2]["param_recv"] == ([5.0, 6.0], True)
 
 
 # --------------------------------------------------------------- AsyncZMQCommunicator

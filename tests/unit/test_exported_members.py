@@ -21,6 +21,8 @@ def test_every_error_derives_from_one_base():
             assert issubclass(obj, ctrlcomm.CtrlcommError)
     assert issubclass(ctrlcomm.CollectiveTimeoutError, TimeoutError)
     assert issubclass(ctrlcomm.InvalidArgumentError, ValueError)
+    # as torch.distributed's errors: code written for vLLM's barrier catches RuntimeError
+    assert issubclass(ctrlcomm.CtrlcommError, RuntimeError)
     # a rank's operand the op cannot reduce: a failed reduction, and a bad argument
     assert issubclass(ctrlcomm.OperandError, ctrlcomm.ReductionError)
     assert issubclass(ctrlcomm.OperandError, ctrlcomm.InvalidArgumentError)
