@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from . import _wire as w
 from ._errors import InvalidArgumentError, StoreError, StoreTimeoutError
@@ -181,6 +182,17 @@ def _b(x: str | bytes) -> bytes:
     return x.encode() if isinstance(x, str) else bytes(x)
 
 
+def _secs(timeout: Any) -> float:
+    """Seconds, from a number or a timedelta (torch's store methods take either)."""
+    if hasattr(timeout, "total_seconds"):
+        return float(timeout.total_seconds())
+    try:
+        return float(timeout)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"store: timeout {timeout!r} is not a number of seconds "
+                                   "or a timedelta") from None
+
+
 class StoreClient:
     """Client of a ctrlcomm store at ``(host, port)``. Every call has a deadline.
 
@@ -218,7 +230,7 @@ class StoreClient:
 
     def _call(self, op: int, keys: Sequence[bytes], values: Sequence[bytes] = (),
               timeout: float | None = None, wait: float = 0.0) -> w.StoreReply:
-        t = self.timeout if timeout is None else float(timeout)
+        t = self.timeout if timeout is None else _secs(timeout)
         # (a wait beyond the wire's limit, decades, would be dropped as malformed)
         wait = min(wait, w.STORE_MAX_WAIT_S / 2)
         with self._lock:
@@ -243,7 +255,7 @@ class StoreClient:
 
     def multi_get(self, keys: Sequence[str | bytes], *, wait: bool = True,
                   timeout: float | None = None) -> list[bytes]:
-        t = self.timeout if timeout is None else float(timeout)
+        t = self.timeout if timeout is None else _secs(timeout)
         rep = self._call(w.S_GET, [self._k(k) for k in keys], (), t + 1.0, t if wait else 0.0)
         if rep.status == w.R_TIMEOUT:
             missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
@@ -254,13 +266,36 @@ class StoreClient:
 
     def wait(self, keys: Sequence[str | bytes], timeout: float | None = None) -> None:
         """Wait until every key exists. Raises :class:`StoreTimeoutError` naming the missing."""
-        t = self.timeout if timeout is None else float(timeout)
-        if hasattr(timeout, "total_seconds"):  # torch passes a timedelta
-            t = timeout.total_seconds()  # type: ignore[union-attr]
+        t = self.timeout if timeout is None else _secs(timeout)  # (torch passes a timedelta)
         rep = self._call(w.S_WAIT, [self._k(k) for k in keys], (), t + 1.0, t)
         if rep.status == w.R_TIMEOUT:
             missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
             raise StoreTimeoutError(f"store wait timed out after {t:g} s; missing keys {missing}")
+
+    def set_timeout(self, timeout: Any) -> None:
+        """The default deadline of every call, in seconds or as a timedelta (TCPStore's)."""
+        self.timeout = _secs(timeout)
+
+    def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes], *,
+                  timeout: float | None = None) -> None:
+        """Set each key to its value (TCPStore's; one after the other, not at once)."""
+        if len(keys) != len(values):
+            raise InvalidArgumentError(f"multi_set: {len(keys)} keys and {len(values)} values")
+        for k, v in zip(keys, values, strict=True):
+            self.set(k, v, timeout=timeout)
+
+    def append(self, key: str | bytes, value: str | bytes, *,
+               timeout: float | None = None) -> None:
+        """Append ``value`` to ``key``'s value (set it if absent), atomically (TCPStore's)."""
+        add = _b(value)
+        cur = self.get(key, wait=False, timeout=timeout) if self.check([key]) else None
+        while True:
+            new = (cur or b"") + add
+            got = self.compare_set(key, cur, new, timeout=timeout)
+            if got == new:
+                return
+            # changed meanwhile (or deleted): again from what it holds now
+            cur = got if got or self.check([key], timeout=timeout) else None
 
     def add(self, key: str | bytes, amount: int, *, timeout: float | None = None) -> int:
         return int(self._call(w.S_ADD, [self._k(key)], [str(int(amount)).encode()], timeout).values[0])

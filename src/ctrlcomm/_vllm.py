@@ -10,12 +10,14 @@ wait has a deadline, and a dead peer is an error naming it.
 from __future__ import annotations
 
 import os
+import pickle
 import socket as _socket
+from collections import deque
 from typing import Any
 
 from . import _plans
 from ._core import run_sync
-from ._errors import InvalidArgumentError
+from ._errors import CodecError, InvalidArgumentError
 from ._group import Group, _rank_arg
 from ._store import StoreClient
 from ._transport import StoreServer
@@ -71,6 +73,9 @@ class StatelessProcessGroup:
         self.data_expiration_seconds = data_expiration_seconds
         self.socket = socket
         self._server = server
+        # what this rank sent itself, pickled (a copy, as the original's store keeps): per
+        # kind, objects and tensors
+        self._to_self: dict[int, deque[bytes]] = {}
 
     @staticmethod
     def create(host: str, port: int, rank: int, world_size: int,
@@ -100,12 +105,44 @@ class StatelessProcessGroup:
     # ------------------------------------------------------------------ objects
 
     def send_obj(self, obj: Any, dst: int) -> None:
-        """Send an object to ``dst`` (returns at once; ordered per destination)."""
-        self._group.send(obj, dst)
+        """Send an object to ``dst`` (returns at once; ordered per destination; this rank
+        itself too, as in vLLM)."""
+        if self._is_me(dst, "send_obj", "dst"):
+            self._send_self(obj, 0)
+        else:
+            self._group.send(obj, dst)
 
     def recv_obj(self, src: int) -> Any:
         """The next object ``src`` sent to this rank."""
+        if self._is_me(src, "recv_obj", "src"):
+            return self._recv_self(0, "recv_obj")
         return self._group.recv(src)
+
+    @property
+    def group(self) -> Group:
+        """The :class:`ctrlcomm.Group` underneath (its collectives, ``aio``, ``stats``)."""
+        return self._group
+
+    def _is_me(self, rank: Any, op: str, what: str) -> bool:
+        return _rank_arg(self._group._core, rank, what, op) == self.rank
+
+    def _send_self(self, obj: Any, kind: int) -> None:
+        self._group._core.check_open()
+        try:
+            data = pickle.dumps(obj, protocol=5)
+        except Exception as e:
+            raise CodecError(f"send to rank {self.rank} (itself): cannot pickle "
+                             f"{type(obj).__name__}: {e}") from None
+        self._to_self.setdefault(kind, deque()).append(data)
+
+    def _recv_self(self, kind: int, op: str) -> Any:
+        self._group._core.check_open()
+        q = self._to_self.get(kind)
+        if not q:
+            raise InvalidArgumentError(
+                f"{op}(src={self.rank}) on rank {self.rank}: this rank sent itself nothing "
+                "(nothing else can: the receive would wait for ever)")
+        return pickle.loads(q.popleft())
 
     def broadcast_obj(self, obj: Any | None, src: int) -> Any:
         """``src``'s object, on every rank (the source gets its own object back).
@@ -153,13 +190,19 @@ class StatelessProcessGroup:
         return _on_device_of(got, tensor)
 
     def send(self, tensor: Any, dst: int) -> None:
-        """Send a tensor to ``dst``."""
-        self._group.send(tensor.detach().cpu(), dst, tag=_TENSOR_TAG)
+        """Send a tensor to ``dst`` (this rank itself too)."""
+        if self._is_me(dst, "send", "dst"):
+            self._send_self(tensor.detach().cpu(), 1)
+        else:
+            self._group.send(tensor.detach().cpu(), dst, tag=_TENSOR_TAG)
 
     def recv(self, tensor: Any, src: int) -> Any:
         """Receive the next tensor from ``src`` into ``tensor`` (``tensor.copy_``: another
         dtype is cast, a shape broadcast to ``tensor``'s); returns ``tensor``."""
-        got = self._group.recv(src, tag=_TENSOR_TAG)
+        if self._is_me(src, "recv", "src"):
+            got = self._recv_self(1, "recv")
+        else:
+            got = self._group.recv(src, tag=_TENSOR_TAG)
         try:
             _copy_into(tensor, got)
         except RuntimeError as e:

@@ -98,7 +98,7 @@ def _timedelta(timeout: float | datetime.timedelta) -> datetime.timedelta:
         seconds=float(timeout))
 
 
-def init_torch_process_group(group: Group, backend: str = "gloo",
+def init_torch_process_group(group: Any, backend: str = "gloo",
                              timeout: float | datetime.timedelta = 1800.0) -> Any:
     """A torch ProcessGroup over the ranks of ``group``, outside torch's global state.
 
@@ -109,11 +109,20 @@ def init_torch_process_group(group: Group, backend: str = "gloo",
     ``torch.distributed.all_reduce(t, group=pg)``.
 
     Args:
-        group: the ctrlcomm group whose ranks make the process group (collective over it).
+        group: the ctrlcomm group whose ranks make the process group (collective over it), or
+            a :class:`ctrlcomm.StatelessProcessGroup` (its group is used).
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
         timeout: the backend's timeout, in seconds or as a timedelta.
     """
     from torch.distributed import PrefixStore, ProcessGroup, TCPStore  # type: ignore[attr-defined]
+
+    from ._vllm import StatelessProcessGroup
+
+    if isinstance(group, StatelessProcessGroup):
+        group = group.group
+    if not isinstance(group, Group):
+        raise InvalidArgumentError("init_torch_process_group: group must be a ctrlcomm Group or "
+                                   f"StatelessProcessGroup, got {type(group).__name__}")
 
     backend = str(backend).lower()
     if backend not in ("gloo", "nccl"):

@@ -140,6 +140,64 @@ def spg_overlapping(rank, size, port1, port2):
     return out
 
 
+def spg_to_itself(rank, size, port):
+    """vLLM's store lets a rank send to itself (a loop over every rank, this one included):
+    so does ctrlcomm, a copy in order, objects and tensors apart."""
+    import torch
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    obj = {"n": [1]}
+    for dst in range(size):
+        pg.send_obj((rank, dst, obj), dst)
+    obj["n"].append(2)  # after the send: the receiver has the object as sent
+    got = [pg.recv_obj(src) for src in range(size)]
+    pg.send(torch.tensor([rank, 10]), rank)
+    buf = torch.zeros(2)
+    pg.recv(buf, rank)
+    try:
+        pg.recv_obj(rank)
+    except ctrlcomm.InvalidArgumentError as e:
+        nothing = str(e)
+    pg.close()
+    return got, buf.tolist(), nothing
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_rank_sends_to_itself_as_in_vllm(size):
+    pytest.importorskip("torch")
+    for r, (got, buf, nothing) in enumerate(run_ranks(spg_to_itself, size, free_port())):
+        assert got == [(src, r, {"n": [1]}) for src in range(size)]
+        assert buf == [float(r), 10.0]
+        assert "sent itself nothing" in nothing
+
+
+def spg_into_torch(rank, size, port):
+    import torch
+
+    from ctrlcomm import StatelessProcessGroup
+    from ctrlcomm.torch import init_torch_process_group
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    tpg = init_torch_process_group(pg, backend="gloo")
+    t = torch.tensor([rank + 1])
+    tpg.allreduce([t]).wait()
+    try:
+        init_torch_process_group(object())
+    except ctrlcomm.InvalidArgumentError as e:
+        bad = str(e)
+    pg.close()
+    return t.tolist(), bad
+
+
+@pytest.mark.torch
+def test_init_torch_process_group_over_a_stateless_process_group():
+    pytest.importorskip("torch")
+    for t, bad in run_ranks(spg_into_torch, 2, free_port(), timeout=100):
+        assert t == [3] and "StatelessProcessGroup" in bad
+
+
 def test_two_overlapping_stateless_groups():
     res = run_ranks(spg_overlapping, 4, free_port(), free_port())
     for r in range(3):

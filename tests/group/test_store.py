@@ -33,6 +33,46 @@ def test_client_calls(store):
     c.close()
 
 
+def test_torch_store_methods_and_timedeltas(store):
+    """What code written for torch's TCPStore calls on ``pg.store``: timeouts as timedeltas,
+    set_timeout, multi_set, append."""
+    from datetime import timedelta
+
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="t/")
+    c.set("a", "1")
+    c.wait(["a"], timedelta(seconds=1))
+    c.wait(["a"], timeout=timedelta(milliseconds=500))
+    with pytest.raises(ctrlcomm.StoreTimeoutError, match=r"\['b'\]"):
+        c.wait(["a", "b"], timedelta(milliseconds=300))
+    assert c.get("a", timeout=timedelta(seconds=1)) == b"1"
+    c.set_timeout(timedelta(seconds=7))
+    assert c.timeout == 7.0
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="timeout"):
+        c.set_timeout("soon")
+    c.multi_set(["x", "y"], ["1", b"2"])
+    assert c.multi_get(["x", "y"]) == [b"1", b"2"]
+    with pytest.raises(ctrlcomm.InvalidArgumentError):
+        c.multi_set(["x"], [])
+    c.append("log", "ab")  # absent: set
+    c.append("log", b"cd")
+    c.set("empty", b"")
+    c.append("empty", "z")
+    assert c.get("log") == b"abcd" and c.get("empty") == b"z"
+
+    def appender(i):
+        with ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="t/") as d:
+            for _ in range(20):
+                d.append("many", str(i))
+
+    threads = [threading.Thread(target=appender, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert sorted(c.get("many").decode()) == sorted("0123" * 20)  # none lost
+    c.close()
+
+
 def test_get_waits_for_a_later_set(store):
     c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
 
