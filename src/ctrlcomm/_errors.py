@@ -29,6 +29,16 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def show(value: Any, limit: int = 160) -> str:
+    """``repr(value)`` for an error message: shortened, and never raising (a repr is user
+    code, and an int of more than 4300 digits has none)."""
+    try:
+        text = repr(value)
+    except Exception as e:
+        return f"<a {type(value).__name__} whose repr raised {type(e).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class CtrlcommError(RuntimeError):
     """Base of every error ctrlcomm raises: a RuntimeError, as torch.distributed's errors
     are (code written for vLLM's StatelessProcessGroup or torch's stores catches those)."""

@@ -31,6 +31,7 @@ from ._errors import (
     ReductionError,
     StoreError,
     StoreTimeoutError,
+    show,
 )
 from ._store import StoreClient
 from ._transport import (
@@ -57,10 +58,10 @@ def _rank_arg(core: Core, value: Any, what: str, op: str) -> int:
         r = operator.index(value)
     except TypeError:
         raise InvalidArgumentError(
-            f"{op} on rank {core.rank}: {what} must be an int, got {value!r}") from None
+            f"{op} on rank {core.rank}: {what} must be an int, got {show(value)}") from None
     if not 0 <= r < core.size or isinstance(value, bool):
         raise InvalidArgumentError(
-            f"{op} on rank {core.rank}: {what}={value!r} is not a rank of group {core.name!r} "
+            f"{op} on rank {core.rank}: {what}={show(value)} is not a rank of group {core.name!r} "
             f"(world size {core.size})")
     return r
 
@@ -103,7 +104,7 @@ def _timeout_arg(timeout: Any, op: str) -> float | None:
         return None
     t = _seconds(timeout)
     if not t > 0:
-        raise InvalidArgumentError(f"{op}: timeout must be > 0 seconds, got {timeout!r}")
+        raise InvalidArgumentError(f"{op}: timeout must be > 0 seconds, got {show(timeout)}")
     return t
 
 
@@ -112,7 +113,7 @@ def _tag_arg(core: Core, tag: Any, op: str) -> int:
         t = operator.index(tag)
     except TypeError:
         raise InvalidArgumentError(f"{op} on rank {core.rank}: tag must be an int, "
-                                   f"got {tag!r}") from None
+                                   f"got {show(tag)}") from None
     if not -(1 << 63) <= t < (1 << 63):
         raise InvalidArgumentError(f"{op} on rank {core.rank}: tag {t} out of range (int64)")
     return t
@@ -402,13 +403,13 @@ def _validate_world(rank: Any, world_size: Any) -> tuple[int, int]:
     try:
         ws = operator.index(world_size)
     except TypeError:
-        raise InvalidArgumentError(f"world_size must be an int, got {world_size!r}") from None
+        raise InvalidArgumentError(f"world_size must be an int, got {show(world_size)}") from None
     if ws < 1:
         raise InvalidArgumentError(f"world_size must be >= 1, got {ws}")
     try:
         r = operator.index(rank)
     except TypeError:
-        raise InvalidArgumentError(f"rank must be an int, got {rank!r}") from None
+        raise InvalidArgumentError(f"rank must be an int, got {show(rank)}") from None
     if not 0 <= r < ws:
         raise InvalidArgumentError(f"rank {r} is out of range for world_size {ws} "
                                    f"(ranks are 0..{ws - 1})")
@@ -532,7 +533,7 @@ class Group:
         try:
             port = operator.index(port)
         except TypeError:
-            raise InvalidArgumentError(f"port must be an int, got {port!r}") from None
+            raise InvalidArgumentError(f"port must be an int, got {show(port)}") from None
         if not 0 < port < 65536:
             raise InvalidArgumentError(f"port must be in 1..65535, got {port}")
         if auth_key is None:
@@ -556,10 +557,10 @@ class Group:
         deadline = time.monotonic() + t
         if liveness_timeout is not None and not float(liveness_timeout) > 0:
             raise InvalidArgumentError(f"liveness_timeout must be > 0 or None, got "
-                                       f"{liveness_timeout!r}")
+                                       f"{show(liveness_timeout)}")
         if not float(heartbeat_interval) > 0:
             raise InvalidArgumentError(f"heartbeat_interval must be > 0, got "
-                                       f"{heartbeat_interval!r}")
+                                       f"{show(heartbeat_interval)}")
         server = _acquire_server(host, port, key, encrypt) if host_store else None
         store = ep = hb = None
         try:
@@ -658,7 +659,7 @@ class Group:
                 vals[mine] = int(raw)
             except ValueError:
                 raise InvalidArgumentError(f"Group.from_env: {mine}/{theirs} must be an int, "
-                                           f"got {raw!r}") from None
+                                           f"got {show(raw)}") from None
         host = pick("CTRLCOMM_HOST", "MASTER_ADDR")
         if "CTRLCOMM_NAME" in env:
             kwargs.setdefault("name", env["CTRLCOMM_NAME"])

@@ -15,13 +15,16 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+from ._errors import InvalidArgumentError, show
+
 
 def _values(name: str, vals: tuple[Any, ...]) -> tuple[int, ...]:
     if not vals:
-        raise ValueError(f"{name} needs at least one value")
+        raise InvalidArgumentError(f"{name} needs at least one value")
     for v in vals:
         if not isinstance(v, numbers.Integral):
-            raise ValueError(f"{name}: values must be ints, got {v!r} ({type(v).__name__})")
+            raise InvalidArgumentError(f"{name}: values must be ints, got {show(v)} "
+                                       f"({type(v).__name__})")
     return tuple(int(v) for v in vals)
 
 

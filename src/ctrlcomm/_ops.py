@@ -16,7 +16,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, show
 
 NAMED_OPS = ("sum", "prod", "max", "min", "band", "bor", "land", "lor")
 Op = str | Callable[[Any, Any], Any]
@@ -122,7 +122,7 @@ def resolve(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:
         return combine_user
     if not isinstance(op, str) or op not in _LEAF:
         raise InvalidArgumentError(
-            f"{opname} on rank {rank}: unknown op {op!r}; use one of {', '.join(NAMED_OPS)} "
+            f"{opname} on rank {rank}: unknown op {show(op)}; use one of {', '.join(NAMED_OPS)} "
             "or a callable f(a, b)"
         )
     leaf = _LEAF[op]
@@ -165,7 +165,7 @@ def check_operand(op: Op, value: Any, opname: str, rank: int) -> None:
             need = "integers" if integral else "real numbers" if op in ("max", "min") else "numbers"
             raise InvalidArgumentError(
                 f"{opname} on rank {rank}: op {op!r} needs {need} or tuples/lists of them, "
-                f"got {v!r} ({type(v).__name__})"
+                f"got {show(v)} ({type(v).__name__})"
             )
 
     walk(value)

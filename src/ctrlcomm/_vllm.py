@@ -17,7 +17,7 @@ from typing import Any
 
 from . import _plans
 from ._core import run_sync
-from ._errors import CodecError, InvalidArgumentError
+from ._errors import CodecError, InvalidArgumentError, show
 from ._group import Group, _rank_arg
 from ._store import StoreClient
 from ._transport import StoreServer
@@ -35,7 +35,7 @@ def _torch_op(op: Any) -> str:
     for name, value in (("sum", R.SUM), ("prod", R.PRODUCT), ("max", R.MAX), ("min", R.MIN)):
         if op == value or (isinstance(op, str) and op.lower() in (name, str(value).lower())):
             return name
-    raise InvalidArgumentError(f"all_reduce: op {op!r} is not supported; use ReduceOp.SUM, "
+    raise InvalidArgumentError(f"all_reduce: op {show(op)} is not supported; use ReduceOp.SUM, "
                                "PRODUCT, MAX or MIN")
 
 

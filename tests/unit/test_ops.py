@@ -85,3 +85,18 @@ def test_fast_combiner_agrees_with_the_general_one(op, a, b):
         assert isinstance(fast, _ops.Failed) and fast.message == slow.message
     else:
         assert repr(fast) == repr(slow) and type(fast) is type(slow)
+
+
+class _NoRepr:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+@pytest.mark.parametrize("bad", [_NoRepr(), {"k": 10**5000}, "x" * 10_000])
+def test_a_bad_operand_is_named_even_when_its_repr_fails_or_is_huge(bad):
+    """The message shows the operand without running into its repr's failure (which would
+    escape as a bare error before the rank takes part in the call)."""
+    with pytest.raises(InvalidArgumentError) as e:
+        _ops.check_operand("sum", bad, "all_reduce", 3)
+    text = str(e.value)
+    assert "all_reduce on rank 3" in text and type(bad).__name__ in text and len(text) < 400
