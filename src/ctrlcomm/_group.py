@@ -209,9 +209,20 @@ def _spec_all_gather(core: Core, obj: Any) -> Call:
                             _ALL_GATHER, w.NO_ROOT, True))
 
 
+def _per_rank_or_failed(core: Core, objs: Any, op: str) -> list[Any]:
+    """:func:`_per_rank`, or where ``objs`` is wrong, the failure for every rank: only this
+    rank can tell (a scatter's root), so it still takes part, and every rank raises it
+    (raising here alone would leave the others waiting for its part, or pairing it with this
+    rank's next call)."""
+    try:
+        return _per_rank(core, objs, op)
+    except InvalidArgumentError as e:
+        return [_ops.Failed(str(e), "argument")] * core.size
+
+
 def _spec_scatter(core: Core, objs: Any, src: int) -> Call:
     root = _rank_arg(core, src, "src", "scatter")
-    mine = _per_rank(core, objs, "scatter") if core.rank == root else None
+    mine = _per_rank_or_failed(core, objs, "scatter") if core.rank == root else None
     checked = core.codec == w.MSGPACK
     if checked and mine is not None:
         mine = _sendable_each(core, mine, "scatter")
@@ -265,7 +276,7 @@ def _spec_all_reduce(core: Core, obj: Any, op: Any) -> Call:
 
 
 def _spec_all_to_all(core: Core, objs: Any) -> Call:
-    mine = _per_rank(core, objs, "all_to_all")
+    mine = _per_rank_or_failed(core, objs, "all_to_all")
     checked = core.codec == w.MSGPACK
     if checked:
         mine = _sendable_each(core, mine, "all_to_all")
@@ -278,7 +289,8 @@ _LISTS = frozenset(w.OP_CODE[n] for n in ("gather", "all_gather", "all_to_all"))
 
 
 def _failed(call: Call, core: Core, result: _ops.Failed) -> CtrlcommError:
-    cls = {"operand": OperandError, "codec": CodecError}.get(result.kind, ReductionError)
+    cls = {"operand": OperandError, "codec": CodecError,
+           "argument": InvalidArgumentError}.get(result.kind, ReductionError)
     return cls(f"{call.name} on group {core.name!r} failed on rank {core.rank}: "
                f"{result.message}")
 

@@ -25,8 +25,9 @@ Op = str | Callable[[Any, Any], Any]
 class Failed:
     """A call that failed somewhere; carries the first error message, and its ``kind``:
     ``"reduction"`` (combining failed), ``"operand"`` (a rank's operand the op cannot
-    reduce; see :func:`check_operand`) or ``"codec"`` (a rank's object the group's codec
-    cannot encode). It travels in the call in place of the object, so every rank stays in
+    reduce; see :func:`check_operand`), ``"codec"`` (a rank's object the group's codec
+    cannot encode) or ``"argument"`` (a scatter root's or an all_to_all rank's objects are
+    not one per rank). It travels in the call in place of the object, so every rank stays in
     step and raises it."""
 
     __slots__ = ("message", "kind")

@@ -316,8 +316,10 @@ def bad_arguments_leave_the_group_working(g):
         lambda: g.all_reduce(1, op="avg"),
         lambda: g.all_reduce("text", op="sum"),
         lambda: g.all_reduce(1.5, op="band"),
-        lambda: g.scatter([1] * (n + 1), src=r),
-        lambda: g.all_to_all([1]),
+        # objects known wrong at one rank only (a scatter's root; one all_to_all rank): it
+        # takes part with the failure in their place, and every rank raises it
+        lambda: g.scatter([1] * (n + 1) if r == 0 else None, src=0),
+        lambda: g.all_to_all([1] if r == 1 else [r] * n),
         lambda: g.send(1, dst=r),
         lambda: g.recv(src=n + 3),
         lambda: g.barrier(timeout=0),
@@ -337,6 +339,7 @@ def test_bad_arguments_are_clear_and_harmless():
         assert all(f"rank {r}" in e or "timeout" in e for e in errors), errors
         assert "src=3 is not a rank" in errors[0]
         assert "'avg'" in errors[3] and "4 objects" in errors[6]
+        assert "scatter on rank 0" in errors[6] and "all_to_all on rank 1" in errors[7]
         assert total == 3 and state == "open"
 
 
