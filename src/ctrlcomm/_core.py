@@ -585,8 +585,10 @@ class Core:
             self.last = (name, seq)
             return result
         except GeneratorExit:
-            self.brk(GroupBrokenError(f"{name} #{seq} on group {self.name!r} was cancelled on "
-                                      f"rank {self.rank}"))
+            why = f"{name} #{seq} on group {self.name!r} was cancelled on rank {self.rank}"
+            if self.state == "open":  # the others may be waiting for its part: they are told
+                self._tell_peers(w.ABORT, why)
+            self.brk(GroupBrokenError(why))
             raise
         except BaseException as e:  # the ranks are out of step now
             if isinstance(e, PeerLostError) and self.state == "open" and e.ranks \
@@ -597,6 +599,10 @@ class Core:
                     and "(reported by rank" not in str(e):
                 # the others may be waiting for this rank's part of a call it did not make
                 self._notify_mismatch(e)
+            elif isinstance(e, KeyboardInterrupt) and self.state == "open":
+                # (caught, the process goes on: the others are told, not left waiting)
+                self._tell_peers(w.ABORT, f"{name} #{seq} on group {self.name!r} was "
+                                          f"interrupted on rank {self.rank}")
             self.brk(e)
             raise
         finally:

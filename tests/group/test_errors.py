@@ -500,7 +500,7 @@ def cancel_then_use(g):
     async def main():
         if g.rank == 0:
             task = asyncio.ensure_future(g.aio.all_reduce(1))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.4)  # (after rank 1's cancel: this one tells rank 1)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -514,7 +514,7 @@ def cancel_then_use(g):
             return out
         # recv cancel leaves the group usable
         task = asyncio.ensure_future(g.aio.recv(0, tag=3))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -529,6 +529,36 @@ def test_cancelled_collective_breaks_cancelled_recv_does_not():
     (k0, m0), (k1, s1) = run_group(cancel_then_use, 2)
     assert k0 == "broken" and "cancelled" in m0
     assert k1 == "ok" and s1 == "open"
+
+
+def cancelled_while_others_wait(g):
+    """Rank 0 cancels its awaited all_reduce (asyncio.wait_for) and goes on; the others,
+    in the same call with a 60 s deadline, are told at once."""
+    async def main():
+        if g.rank == 0:
+            try:
+                await asyncio.wait_for(g.aio.all_reduce(1), 0.3)
+            except asyncio.TimeoutError:
+                return "cancelled"
+        await asyncio.sleep(0.5)
+        t = time.monotonic()
+        try:
+            await g.aio.all_reduce(1, timeout=60)
+        except ctrlcomm.PeerLostError as e:
+            return e.ranks, str(e), time.monotonic() - t
+
+    out = asyncio.run(main())
+    g.store.set(f"test/done/{g.rank}", "1")  # rank 0 stays until the others know
+    g.store.wait([f"test/done/{r}" for r in range(g.world_size)], timeout=50)
+    return out
+
+
+def test_a_cancelled_collective_tells_the_ranks_waiting_in_it():
+    res = run_group(cancelled_while_others_wait, 3, timeout=45)
+    assert res[0] == "cancelled"
+    # (told, not at their 60 s deadline: the run's 45 s would have ended first)
+    for ranks, text, _ in res[1:]:
+        assert ranks == [0] and "cancelled on rank 0" in text, text
 
 
 def two_threads(g):
