@@ -519,14 +519,15 @@ class Group:
                 networks. Needs ``auth_key`` and ZeroMQ: each rank makes a key pair and
                 publishes its public key in the authenticated address table; the store's
                 key pair is derived from ``auth_key`` (so an external store runs with
-                ``ctrlcomm store --encrypt``). Heartbeats stay plain (MAC'd group id and
-                rank only).
+                ``ctrlcomm store --encrypt``). Heartbeats stay plain (MAC'd group id,
+                rank and beat number only).
 
         Raises:
             InvalidArgumentError: bad rank, world size, name, timeout or codec.
             StoreError: the store's port is in use (naming the address) or it is unreachable.
             FormationTimeoutError: not every rank joined within ``timeout``; names them.
-            FormationError: another process already joined with this rank.
+            FormationError: another process already joined with this rank, or the ranks
+                were created with different world sizes, codecs or transports (named).
         """
         rank, world_size = _validate_world(rank, world_size)
         if not isinstance(name, str) or not name or "/" in name or "\n" in name:
@@ -595,8 +596,11 @@ class Group:
             local = getattr(ep, "local_address", "")
             curve = getattr(ep, "curve_public", b"")
             proc = proc_address()
+            # and what every rank must have alike, compared by rank 0 (a rank created with
+            # another world size, codec or transport would wait, or fail, without saying why)
+            alike = f"ws:{world_size} codec:{codec} tr:{transport}"
             me = " ".join(filter(None, (ep.address, str(hb.port), local,
-                                        "curve:" + curve.decode() if curve else "", proc)))
+                                        "curve:" + curve.decode() if curve else "", proc, alike)))
             nonce, table = _rendezvous(store, me, rank, world_size, name, deadline)
             fields = {r: line.split(" ") for r, line in table.items()}
             peers = {r: f[0] for r, f in fields.items()}
@@ -871,12 +875,37 @@ def _host_of(endpoint: str) -> str:
     return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
 
 
-def _missing_ranks(store: StoreClient, keys: list[str]) -> list[int]:
-    """Ranks whose key is absent; [] when the store cannot tell (best effort, 2 s)."""
+def _missing_ranks(store: StoreClient, keys: list[str], budget: float) -> list[int]:
+    """Ranks whose key is absent; [] when the store cannot tell within ``budget`` s."""
     try:
-        return [r for r, h in enumerate(store.exists(keys, timeout=2.0)) if not h]
+        return [r for r, h in enumerate(store.exists(keys, timeout=budget)) if not h]
     except StoreError:
         return []
+
+
+ALIKE = ("ws:", "codec:", "tr:")  # the fields of an address every rank must have alike
+
+
+def _alike(address: str) -> dict[str, str]:
+    return {f.split(":", 1)[0]: f.split(":", 1)[1] for f in address.split(" ")[2:]
+            if f.startswith(ALIKE)}
+
+
+def _differ(name: str, mine: str, records: dict[int, str]) -> str:
+    """What ranks of ``records`` were created with otherwise than rank 0 (``mine``), in
+    words; "" if nothing."""
+    own = _alike(mine)
+    words = {"ws": "world size", "codec": "codec", "tr": "transport"}
+    parts = []
+    for r, rec in sorted(records.items()):
+        theirs = _alike(rec)
+        diff = [f"{words[k]} {theirs.get(k, '?')}" for k in own if theirs.get(k) != own[k]]
+        if diff:
+            parts.append(f"rank {r} with {', '.join(diff)}")
+    if not parts:
+        return ""
+    return (f"group {name!r}: the ranks were created with different settings: rank 0 with "
+            + ", ".join(f"{words[k]} {v}" for k, v in own.items()) + "; " + "; ".join(parts))
 
 
 def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: str,
@@ -884,13 +913,17 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     """Publish this rank's address; return (nonce, {rank: address}) of the formed group.
 
     Rank 0 waits for every rank's key, publishes the table (nonce and addresses, plain text:
-    nothing here is ever unpickled) and, once every rank has read it, deletes the group's keys.
+    nothing here is ever unpickled; or, where the ranks' settings differ, ``!`` and what
+    differs) and, once every rank has read it, deletes the group's keys. A rank that times
+    out says why within its deadline: the last part of it (``spare``) is kept for asking.
     """
+    total = max(deadline - time.monotonic(), 0.001)
+    spare = min(1.0, total / 5)
 
-    def left() -> float:
-        return max(deadline - time.monotonic(), 0.001)
+    def left(keep: float = spare) -> float:
+        return max(deadline - keep - time.monotonic(), 0.001)
 
-    ok, held = store.set_if_absent(f"rank/{rank}", address, timeout=left())
+    ok, held = store.set_if_absent(f"rank/{rank}", address, timeout=left(0))
     if not ok:
         raise FormationError(
             f"group {name!r}: rank {rank} already joined from {held.decode(errors='replace')} "
@@ -901,40 +934,67 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         try:
             store.wait(keys, timeout=left())
         except StoreTimeoutError:
-            missing = _missing_ranks(store, keys)
+            missing = _missing_ranks(store, keys, left(0))
+            joined = [k for r, k in enumerate(keys) if r not in missing and r != 0]
+            differ = ""
+            if joined:  # (those of another world size, say: ranks beyond theirs never come)
+                try:
+                    got = store.multi_get(joined, wait=False, timeout=left(0))
+                    differ = _differ(name, address, {int(k.split("/")[1]): v.decode()
+                                                     for k, v in zip(joined, got, strict=True)})
+                except (StoreError, KeyError):
+                    pass
             raise FormationTimeoutError(
-                f"group {name!r} not formed: ranks {missing} did not join within the timeout",
-                missing=missing) from None
-        addrs = [a.decode() for a in store.multi_get(keys, timeout=left())]
+                f"group {name!r} not formed: ranks {missing} did not join within the timeout"
+                + (f" ({differ})" if differ else ""), missing=missing) from None
+        addrs = [a.decode() for a in store.multi_get(keys, timeout=left(0))]
+        differ = _differ(name, address, dict(enumerate(addrs)))
+        if differ:
+            store.set("table", "!" + differ, timeout=left(0))
+            raise FormationError(differ)
         nonce = os.urandom(8).hex()
-        store.set("table", "\n".join([nonce, *addrs]), timeout=left())
+        store.set("table", "\n".join([nonce, *addrs]), timeout=left(0))
         if size > 1:
             try:
-                store.wait(["done"], timeout=left())
+                store.wait(["done"], timeout=left(0))
             except StoreTimeoutError:
                 raise FormationTimeoutError(
                     f"group {name!r} not formed: not every rank read the address table in time"
                 ) from None
-        store.delete_prefix("", timeout=left())
+        store.delete_prefix("", timeout=left(0))
         return nonce, dict(enumerate(addrs))
+    # rank 0's settings, as soon as it has joined: a rank created otherwise says so at once
+    # (rank 0, waiting for ranks that never come, says it at its deadline)
+    try:
+        first = store.get(keys[0], timeout=left()).decode()
+    except StoreTimeoutError:
+        raise FormationTimeoutError(
+            f"group {name!r} not formed within the timeout on rank {rank}: rank 0 did not "
+            "join (is rank 0 alive, and its store?)", missing=[0]) from None
+    differ = _differ(name, first, {rank: address})
+    if differ:
+        raise FormationError(differ)
     while True:
         try:
-            lines = store.get("table", timeout=left()).decode().split("\n")
+            text = store.get("table", timeout=left()).decode()
         except StoreTimeoutError:
-            missing = _missing_ranks(store, keys)
+            missing = _missing_ranks(store, keys, left(0))
+            why = f"ranks {missing} did not join" if missing else \
+                "rank 0 published no address table (is rank 0 alive, and its store?)"
             raise FormationTimeoutError(
-                f"group {name!r} not formed within the timeout on rank {rank}: "
-                + (f"ranks {missing} did not join" if missing else
-                   "rank 0 published no address table (is rank 0 alive, and its store?)"),
+                f"group {name!r} not formed within the timeout on rank {rank}: {why}",
                 missing=missing) from None
+        if text.startswith("!"):  # rank 0 found the ranks' settings differ
+            raise FormationError(text[1:])
+        lines = text.split("\n")
         if len(lines) == size + 1 and lines[1 + rank] == address:  # else: a stale table
             break
-        if time.monotonic() >= deadline:  # a stale table of an earlier group of that name
+        if time.monotonic() >= deadline - spare:  # a stale table of an earlier group
             raise FormationError(f"group {name!r}: the store holds a table that does not "
                                  f"match this group (rank {rank})")
         time.sleep(0.05)
-    if store.add("acks", 1, timeout=left()) == size - 1:
-        store.set("done", "1", timeout=left())
+    if store.add("acks", 1, timeout=left(0)) == size - 1:
+        store.set("done", "1", timeout=left(0))
     return lines[0], dict(enumerate(lines[1:]))
 
 

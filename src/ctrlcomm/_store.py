@@ -193,6 +193,12 @@ def _secs(timeout: Any) -> float:
                                    "or a timedelta") from None
 
 
+def _store_wait(t: float) -> float:
+    """How long the store waits for keys in a call of deadline ``t``: a little less, so that
+    its reply (a timeout, with the keys still missing) comes back within ``t``."""
+    return max(t - min(1.0, t / 10), 0.0)
+
+
 class StoreClient:
     """Client of a ctrlcomm store at ``(host, port)``. Every call has a deadline.
 
@@ -238,9 +244,12 @@ class StoreClient:
             rep = self._conn.request(req, deadline=time.monotonic() + t)
         if rep is None:
             hint = (" (with encryption on, a store that runs without it, or with another "
-                    "key, never answers)") if self.encrypt else ""
+                    "key, never answers)") if self.encrypt else \
+                (" (a store with another auth_key, or none, answers nothing a key signs: "
+                 "every rank and the store need the same one)") if self._conn.key else \
+                " (is it running? one run with an auth_key answers nothing unsigned)"
             raise StoreTimeoutError(
-                f"store at {self.host}:{self.port} did not answer within {t:g} s{hint}")
+                f"store at {self.host}:{self.port} did not answer within {t:.1f} s{hint}")
         if rep.status == w.R_ERROR:
             raise StoreError(f"store at {self.host}:{self.port} refused the request: "
                              f"{rep.values[0].decode(errors='replace') if rep.values else ''}")
@@ -256,7 +265,7 @@ class StoreClient:
     def multi_get(self, keys: Sequence[str | bytes], *, wait: bool = True,
                   timeout: float | None = None) -> list[bytes]:
         t = self.timeout if timeout is None else _secs(timeout)
-        rep = self._call(w.S_GET, [self._k(k) for k in keys], (), t + 1.0, t if wait else 0.0)
+        rep = self._call(w.S_GET, [self._k(k) for k in keys], (), t, _store_wait(t) if wait else 0.0)
         if rep.status == w.R_TIMEOUT:
             missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
             if not wait:
@@ -267,7 +276,7 @@ class StoreClient:
     def wait(self, keys: Sequence[str | bytes], timeout: float | None = None) -> None:
         """Wait until every key exists. Raises :class:`StoreTimeoutError` naming the missing."""
         t = self.timeout if timeout is None else _secs(timeout)  # (torch passes a timedelta)
-        rep = self._call(w.S_WAIT, [self._k(k) for k in keys], (), t + 1.0, t)
+        rep = self._call(w.S_WAIT, [self._k(k) for k in keys], (), t, _store_wait(t))
         if rep.status == w.R_TIMEOUT:
             missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
             raise StoreTimeoutError(f"store wait timed out after {t:g} s; missing keys {missing}")

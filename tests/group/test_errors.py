@@ -653,6 +653,36 @@ def test_formation_timeout_names_missing_ranks():
     assert time.monotonic() - t < 3
 
 
+def created_otherwise(rank, size, port, settings, timeout):
+    """Rank r is created with ``settings[r]`` (world size, codec, transport)."""
+    ws, codec, transport = settings[rank]
+    t = time.monotonic()
+    try:
+        ctrlcomm.Group.create("127.0.0.1", port, rank, ws, codec=codec, transport=transport,
+                              timeout=timeout)
+    except ctrlcomm.FormationError as e:
+        return type(e).__name__, str(e), time.monotonic() - t
+    return "formed", "", time.monotonic() - t
+
+
+@pytest.mark.parametrize("settings, named", [
+    ([(2, "pickle", "tcp"), (3, "pickle", "tcp")], "rank 1 with world size 3"),
+    ([(3, "pickle", "tcp"), (2, "pickle", "tcp")], "rank 1 with world size 2"),
+    ([(2, "pickle", "tcp"), (2, "msgpack", "tcp")], "rank 1 with codec msgpack"),
+    ([(2, "pickle", "tcp"), (2, "pickle", "zmq")], "rank 1 with transport zmq"),
+], ids=["world_size_larger", "world_size_smaller", "codec", "transport"])
+def test_ranks_created_with_different_settings_are_told_what_differs(settings, named):
+    """Each rank says what differs (it waited, or failed later, without saying why: a
+    codec mismatch formed a group whose pickling rank never learnt of the other's failure),
+    within its formation deadline."""
+    timeout = 4.0
+    for kind, text, took in run_ranks(created_otherwise, 2, free_port(), settings, timeout,
+                                      timeout=60):
+        assert kind in ("FormationError", "FormationTimeoutError"), (kind, text)
+        assert named in text and "rank 0 with world size" in text, text
+        assert took < timeout + 1.5, took  # (its deadline: it overran by 3 s)
+
+
 def test_world_of_one_in_process():
     with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1) as g:
         assert g.all_reduce((1, 2)) == (1, 2)
