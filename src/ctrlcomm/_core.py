@@ -599,6 +599,10 @@ class Core:
                     and "(reported by rank" not in str(e):
                 # the others may be waiting for this rank's part of a call it did not make
                 self._notify_mismatch(e)
+            elif isinstance(e, CodecError) and self.state == "open":
+                # an object from a peer that cannot be decoded here: this rank's group
+                # breaks; the others, the sender too, are told (not left waiting for it)
+                self._tell_peers(w.ABORT, str(e))
             elif isinstance(e, KeyboardInterrupt) and self.state == "open":
                 # (caught, the process goes on: the others are told, not left waiting)
                 self._tell_peers(w.ABORT, f"{name} #{seq} on group {self.name!r} was "

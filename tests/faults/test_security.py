@@ -240,6 +240,35 @@ def test_what_a_message_may_carry_is_less_than_what_a_receiver_takes():
     assert 0 < core.MAX_PAYLOAD < w.MAX_MESSAGE - w.HEADER.size - w.MAC_SIZE
 
 
+class _NotUnpicklable(Exception):
+    """Pickles, but unpickling raises (an exception whose __init__ takes other arguments:
+    a classic)."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a}-{b}")
+
+
+def object_others_cannot_decode(g):
+    try:
+        out = ("returned", repr(g.all_gather(_NotUnpicklable(1, 2) if g.rank == 0 else g.rank)))
+    except ctrlcomm.CodecError as e:
+        out = ("CodecError", str(e))
+    try:  # rank 0 returned; it learns at its next call, told by the others
+        g.barrier(timeout=60)
+    except ctrlcomm.GroupBrokenError as e:
+        return out, type(e).__name__, str(e)
+    return out, "barrier returned", ""
+
+
+def test_an_object_a_rank_cannot_decode_breaks_the_group_everywhere_without_waiting():
+    res = run_group(object_others_cannot_decode, 3, timeout=40)
+    assert res[0][0][0] == "returned"  # the root of the star decodes nothing of rank 0's
+    assert res[0][1] == "PeerLostError" and "cannot decode the object from rank 0" in res[0][2]
+    for (kind, text), after, _ in res[1:]:
+        assert kind == "CodecError" and "from rank 0" in text, text
+        assert after == "GroupBrokenError"
+
+
 class _OpensAFile:
     """Unpickling this creates the file: proof that a payload was unpickled."""
 
@@ -260,8 +289,8 @@ def pickle_into_msgpack_group(g, marker):
                                            w.OP_CODE["all_gather"], w.NO_ROOT, w.PICKLE,
                                            payload)))
         try:
-            g.recv(0, timeout=20)  # until rank 0 is done and closes the group
-        except ctrlcomm.PeerLostError:
+            g.recv(0, timeout=20)  # until rank 0 is done and tells it, or closes the group
+        except ctrlcomm.GroupBrokenError:
             pass
         return None
     try:

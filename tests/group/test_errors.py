@@ -665,7 +665,7 @@ def created_otherwise(rank, size, port, settings, timeout):
     return "formed", "", time.monotonic() - t
 
 
-@pytest.mark.parametrize("settings, named", [
+@pytest.mark.parametrize(("settings", "named"), [
     ([(2, "pickle", "tcp"), (3, "pickle", "tcp")], "rank 1 with world size 3"),
     ([(3, "pickle", "tcp"), (2, "pickle", "tcp")], "rank 1 with world size 2"),
     ([(2, "pickle", "tcp"), (2, "msgpack", "tcp")], "rank 1 with codec msgpack"),
