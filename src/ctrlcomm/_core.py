@@ -97,6 +97,17 @@ def describe(op: int, root: int) -> str:
     return parts[0] + (f"({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
+# The plans whose every message is a rank's own object (or one per destination) or a whole
+# result: a failure sent in place of one reaches every rank that would have used it, and
+# each raises it (Core._unsendable). In the others a message bundles parts (a tree's
+# gather or scatter, Bruck's blocks) or a partial result the sender goes on with
+# (recursive doubling): a failure in its place would break the plan.
+_FAIL_IN_PLACE = frozenset({
+    _plans.broadcast, _plans.broadcast_flat, _plans.gather_flat, _plans.scatter_flat,
+    _plans.reduce, _plans.reduce_flat, _plans.all_reduce_flat, _plans.all_reduce_star,
+    _plans.all_gather_flat, _plans.all_gather_star, _plans.all_to_all,
+})
+
 # What one message may carry, encoded (header and framing aside): a receiver drops a stream
 # whose message is larger (w.MAX_MESSAGE).
 MAX_PAYLOAD = w.MAX_MESSAGE - 64 * 1024
@@ -174,6 +185,7 @@ class Core:
         self.mismatch: MismatchError | None = None
         # this rank's object the current collective could not send (sent in its place)
         self._send_failed: _ops.Failed | None = None
+        self._in_place = False  # whether the current collective can send a failure so
         self.last: tuple[str, int | None] = ("nothing yet", None)
         self._lock = threading.Lock()
         self._owner = ""
@@ -506,6 +518,7 @@ class Core:
         t = self.timeout if timeout is None else timeout
         start = _monotonic()
         deadline = start + t
+        self._in_place = call.plan in _FAIL_IN_PLACE
         probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in _wait, with its first probe
         if start + FIRST_PROBE < probe_at:
             probe_at = start + FIRST_PROBE
@@ -694,9 +707,14 @@ class Core:
         """What a collective sends in place of an object this rank cannot encode: the
         failure, which every rank that gets it raises, as this one does when its plan is
         done (raising now would leave the others waiting for its part, or pairing it with
-        this rank's next call)."""
+        this rank's next call). Only in a plan whose messages are a rank's object or a
+        whole result (see _FAIL_IN_PLACE); in the others it is raised, and the others are
+        told (the group breaks: it cannot stay in step)."""
         what = w.OP_NAME.get(opcode & 0xF, "collective")
-        failed = _ops.Failed(f"{what} #{self.seq - 1} on rank {self.rank}: {e}", "codec")
+        text = f"{what} #{self.seq - 1} on rank {self.rank}: {e}"
+        if not self._in_place:
+            raise CodecError(text)
+        failed = _ops.Failed(text, "codec")
         if self._send_failed is None:
             self._send_failed = failed
         return w.dumps(failed, self.codec)

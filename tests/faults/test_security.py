@@ -234,6 +234,43 @@ def test_an_object_one_rank_cannot_send_fails_the_call_everywhere_and_keeps_the_
     assert "more than a message carries" in res[1][1][1]
 
 
+def cannot_pickle_in_a_tree(g, name):
+    import threading
+
+    bad, r, n = threading.Lock(), g.rank, g.world_size
+    calls = {
+        "gather": lambda: g.gather(bad if r == 3 else r, dst=0),
+        "scatter": lambda: g.scatter([bad if i == 3 else i for i in range(n)] if r == 0
+                                     else None, src=0),
+        "all_gather": lambda: g.all_gather(bad if r == 3 else r),
+        "all_reduce": lambda: g.all_reduce(bad if r == 3 else r, op=lambda a, b: a),
+    }
+    try:
+        return "returned", repr(calls[name]())
+    except ctrlcomm.CtrlcommError as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("name", ["gather", "scatter", "all_gather", "all_reduce"])
+def test_an_object_one_rank_cannot_send_in_a_tree_breaks_the_group_everywhere(name,
+                                                                               monkeypatch):
+    """Log-depth plans (here at world 4) bundle objects or pass partial results on: a
+    failure cannot travel in one's place. The rank raises CodecError and tells the others,
+    which raise at once (they crashed on the failure, or waited out their deadline, or
+    returned a result the others did not)."""
+    monkeypatch.setenv("CTRLCOMM_SMALL_WORLD", "2")
+    res = run_group(cannot_pickle_in_a_tree, 4, name, timeout=40,
+                    group_kwargs={"timeout": 60})
+    failing = 0 if name == "scatter" else 3
+    for r, (kind, text) in enumerate(res):
+        if r == failing:
+            assert kind == "CodecError" and f"on rank {failing}" in text, (r, kind, text)
+        elif kind == "returned":  # a gather's rank off the failing rank's path: no result
+            assert name == "gather" and text == "None", (r, kind, text)
+        else:
+            assert kind == "PeerLostError" and f"rank {failing} aborted" in text, (r, text)
+
+
 def test_what_a_message_may_carry_is_less_than_what_a_receiver_takes():
     import ctrlcomm._core as core
 
