@@ -618,8 +618,9 @@ class Core:
                 self._tell_peers(w.ABORT, str(e))
             elif isinstance(e, KeyboardInterrupt) and self.state == "open":
                 # (caught, the process goes on: the others are told, not left waiting)
-                self._tell_peers(w.ABORT, f"{name} #{seq} on group {self.name!r} was "
-                                          f"interrupted on rank {self.rank}")
+                why = f"{name} #{seq} on group {self.name!r} was interrupted on rank {self.rank}"
+                self._tell_peers(w.ABORT, why)
+                self.brk(GroupBrokenError(why))  # (the cause: a KeyboardInterrupt says nothing)
             self.brk(e)
             raise
         finally:
@@ -1016,7 +1017,13 @@ def run_sync(core: Core, gen: Wait) -> Any:
     try:
         delay = next(gen)
         while True:
-            core.ep.wait(delay)
+            try:
+                core.ep.wait(delay)
+            except BaseException as e:  # Ctrl-C while it slept: the call sees it where it
+                # waits, so it ends now (the lock released, the others told), not when the
+                # exception's traceback, which holds the generator, goes
+                delay = gen.throw(e)
+                continue
             delay = gen.send(None)
     except StopIteration as e:
         return e.value

@@ -884,6 +884,7 @@ def _missing_ranks(store: StoreClient, keys: list[str], budget: float) -> list[i
 
 
 ALIKE = ("ws:", "codec:", "tr:")  # the fields of an address every rank must have alike
+ASK_S = 0.5  # how long a formation that timed out asks the store why
 
 
 def _alike(address: str) -> dict[str, str]:
@@ -915,15 +916,14 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     Rank 0 waits for every rank's key, publishes the table (nonce and addresses, plain text:
     nothing here is ever unpickled; or, where the ranks' settings differ, ``!`` and what
     differs) and, once every rank has read it, deletes the group's keys. A rank that times
-    out says why within its deadline: the last part of it (``spare``) is kept for asking.
+    out asks the store why for at most :data:`ASK_S` more (a store that does not answer
+    at all takes its reply slack more, ``REPLY_SLACK_S``).
     """
-    total = max(deadline - time.monotonic(), 0.001)
-    spare = min(1.0, total / 5)
 
-    def left(keep: float = spare) -> float:
-        return max(deadline - keep - time.monotonic(), 0.001)
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.001)
 
-    ok, held = store.set_if_absent(f"rank/{rank}", address, timeout=left(0))
+    ok, held = store.set_if_absent(f"rank/{rank}", address, timeout=left())
     if not ok:
         raise FormationError(
             f"group {name!r}: rank {rank} already joined from {held.decode(errors='replace')} "
@@ -934,12 +934,12 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         try:
             store.wait(keys, timeout=left())
         except StoreTimeoutError:
-            missing = _missing_ranks(store, keys, left(0))
+            missing = _missing_ranks(store, keys, ASK_S)
             joined = [k for r, k in enumerate(keys) if r not in missing and r != 0]
             differ = ""
             if joined:  # (those of another world size, say: ranks beyond theirs never come)
                 try:
-                    got = store.multi_get(joined, wait=False, timeout=left(0))
+                    got = store.multi_get(joined, wait=False, timeout=ASK_S)
                     differ = _differ(name, address, {int(k.split("/")[1]): v.decode()
                                                      for k, v in zip(joined, got, strict=True)})
                 except (StoreError, KeyError):
@@ -947,21 +947,21 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
             raise FormationTimeoutError(
                 f"group {name!r} not formed: ranks {missing} did not join within the timeout"
                 + (f" ({differ})" if differ else ""), missing=missing) from None
-        addrs = [a.decode() for a in store.multi_get(keys, timeout=left(0))]
+        addrs = [a.decode() for a in store.multi_get(keys, timeout=left())]
         differ = _differ(name, address, dict(enumerate(addrs)))
         if differ:
-            store.set("table", "!" + differ, timeout=left(0))
+            store.set("table", "!" + differ, timeout=left())
             raise FormationError(differ)
         nonce = os.urandom(8).hex()
-        store.set("table", "\n".join([nonce, *addrs]), timeout=left(0))
+        store.set("table", "\n".join([nonce, *addrs]), timeout=left())
         if size > 1:
             try:
-                store.wait(["done"], timeout=left(0))
+                store.wait(["done"], timeout=left())
             except StoreTimeoutError:
                 raise FormationTimeoutError(
                     f"group {name!r} not formed: not every rank read the address table in time"
                 ) from None
-        store.delete_prefix("", timeout=left(0))
+        store.delete_prefix("", timeout=left())
         return nonce, dict(enumerate(addrs))
     # rank 0's settings, as soon as it has joined: a rank created otherwise says so at once
     # (rank 0, waiting for ranks that never come, says it at its deadline)
@@ -978,7 +978,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         try:
             text = store.get("table", timeout=left()).decode()
         except StoreTimeoutError:
-            missing = _missing_ranks(store, keys, left(0))
+            missing = _missing_ranks(store, keys, ASK_S)
             why = f"ranks {missing} did not join" if missing else \
                 "rank 0 published no address table (is rank 0 alive, and its store?)"
             raise FormationTimeoutError(
@@ -989,12 +989,12 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         lines = text.split("\n")
         if len(lines) == size + 1 and lines[1 + rank] == address:  # else: a stale table
             break
-        if time.monotonic() >= deadline - spare:  # a stale table of an earlier group
+        if time.monotonic() >= deadline:  # a stale table of an earlier group
             raise FormationError(f"group {name!r}: the store holds a table that does not "
                                  f"match this group (rank {rank})")
         time.sleep(0.05)
-    if store.add("acks", 1, timeout=left(0)) == size - 1:
-        store.set("done", "1", timeout=left(0))
+    if store.add("acks", 1, timeout=left()) == size - 1:
+        store.set("done", "1", timeout=left())
     return lines[0], dict(enumerate(lines[1:]))
 
 

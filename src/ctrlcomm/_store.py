@@ -193,10 +193,9 @@ def _secs(timeout: Any) -> float:
                                    "or a timedelta") from None
 
 
-def _store_wait(t: float) -> float:
-    """How long the store waits for keys in a call of deadline ``t``: a little less, so that
-    its reply (a timeout, with the keys still missing) comes back within ``t``."""
-    return max(t - min(1.0, t / 10), 0.0)
+# A get or wait of timeout t lets the store wait t for the keys (as TCPStore's do), and its
+# reply (a timeout naming the keys still missing) this much longer to come back.
+REPLY_SLACK_S = 1.0
 
 
 class StoreClient:
@@ -265,7 +264,8 @@ class StoreClient:
     def multi_get(self, keys: Sequence[str | bytes], *, wait: bool = True,
                   timeout: float | None = None) -> list[bytes]:
         t = self.timeout if timeout is None else _secs(timeout)
-        rep = self._call(w.S_GET, [self._k(k) for k in keys], (), t, _store_wait(t) if wait else 0.0)
+        rep = self._call(w.S_GET, [self._k(k) for k in keys], (), t + REPLY_SLACK_S,
+                         t if wait else 0.0)
         if rep.status == w.R_TIMEOUT:
             missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
             if not wait:
@@ -276,7 +276,7 @@ class StoreClient:
     def wait(self, keys: Sequence[str | bytes], timeout: float | None = None) -> None:
         """Wait until every key exists. Raises :class:`StoreTimeoutError` naming the missing."""
         t = self.timeout if timeout is None else _secs(timeout)  # (torch passes a timedelta)
-        rep = self._call(w.S_WAIT, [self._k(k) for k in keys], (), t, _store_wait(t))
+        rep = self._call(w.S_WAIT, [self._k(k) for k in keys], (), t + REPLY_SLACK_S, t)
         if rep.status == w.R_TIMEOUT:
             missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
             raise StoreTimeoutError(f"store wait timed out after {t:g} s; missing keys {missing}")
@@ -297,14 +297,18 @@ class StoreClient:
                timeout: float | None = None) -> None:
         """Append ``value`` to ``key``'s value (set it if absent), atomically (TCPStore's)."""
         add = _b(value)
-        cur = self.get(key, wait=False, timeout=timeout) if self.check([key]) else None
+        try:
+            cur: bytes | None = self.get(key, wait=False, timeout=timeout)
+        except KeyError:
+            cur = None
         while True:
-            new = (cur or b"") + add
-            got = self.compare_set(key, cur, new, timeout=timeout)
-            if got == new:
+            absent = cur is None
+            rep = self._call(w.S_CAS, [self._k(key)],
+                             [b"1" if absent else b"0", cur or b"", (cur or b"") + add], timeout)
+            if rep.status == w.R_OK:
                 return
-            # changed meanwhile (or deleted): again from what it holds now
-            cur = got if got or self.check([key], timeout=timeout) else None
+            # changed meanwhile (or deleted): again from what it holds now (no value: absent)
+            cur = rep.values[0] if rep.values else None
 
     def add(self, key: str | bytes, amount: int, *, timeout: float | None = None) -> int:
         return int(self._call(w.S_ADD, [self._k(key)], [str(int(amount)).encode()], timeout).values[0])

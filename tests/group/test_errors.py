@@ -561,6 +561,42 @@ def test_a_cancelled_collective_tells_the_ranks_waiting_in_it():
         assert ranks == [0] and "cancelled on rank 0" in text, text
 
 
+def interrupted_while_others_wait(g):
+    """Rank 1's blocking all_reduce, waiting for rank 0, is interrupted (Ctrl-C, caught:
+    the process goes on); rank 0, coming later, with 60 s deadlines, is told at once."""
+    import os
+    import signal
+    import threading
+
+    if g.rank == 1:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            g.all_reduce(1, timeout=60)
+        except KeyboardInterrupt:
+            pass
+        try:
+            g.barrier()
+        except ctrlcomm.GroupBrokenError as e:  # not ConcurrentUseError: the call ended
+            out = ("broken", str(e))
+    else:
+        time.sleep(1.5)
+        try:  # rank 1's part is here already: this call may complete; the next cannot
+            g.all_reduce(1, timeout=60)
+            g.barrier(timeout=60)
+        except ctrlcomm.GroupBrokenError as e:  # (a PeerLostError, or caused by one)
+            lost = e if isinstance(e, ctrlcomm.PeerLostError) else e.__cause__
+            out = (lost.ranks, str(e))
+    g.store.set(f"test/done/{g.rank}", "1")
+    g.store.wait(["test/done/0", "test/done/1"], timeout=50)
+    return out
+
+
+def test_an_interrupted_blocking_collective_ends_and_tells_the_others():
+    res = run_group(interrupted_while_others_wait, 2, timeout=45)
+    assert res[0][0] == [1] and "interrupted on rank 1" in res[0][1], res[0]
+    assert res[1][0] == "broken" and "interrupted on rank 1" in res[1][1], res[1]
+
+
 def two_threads(g):
     if g.rank == 1:
         time.sleep(0.5)
@@ -681,6 +717,18 @@ def test_ranks_created_with_different_settings_are_told_what_differs(settings, n
         assert kind in ("FormationError", "FormationTimeoutError"), (kind, text)
         assert named in text and "rank 0 with world size" in text, text
         assert took < timeout + 1.5, took  # (its deadline: it overran by 3 s)
+
+
+def rank0_joins_late(rank, size, port, delay, timeout):
+    if rank == 0:
+        time.sleep(delay)
+    with ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=timeout) as g:
+        return g.all_reduce(1)
+
+
+def test_a_rank_0_that_joins_late_but_within_the_timeout_forms_the_group():
+    """Formation waits out its whole timeout (it gave up a fifth or more early)."""
+    assert run_ranks(rank0_joins_late, 2, free_port(), 4.0, 5.0, timeout=60) == [2, 2]
 
 
 def test_world_of_one_in_process():

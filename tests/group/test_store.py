@@ -59,17 +59,19 @@ def test_torch_store_methods_and_timedeltas(store):
     c.append("empty", "z")
     assert c.get("log") == b"abcd" and c.get("empty") == b"z"
 
-    def appender(i):
+    def appender(i, same):
         with ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="t/") as d:
-            for _ in range(20):
-                d.append("many", str(i))
+            for _ in range(50):
+                d.append("same" if same else "many", "a" if same else str(i))
 
-    threads = [threading.Thread(target=appender, args=(i,)) for i in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert sorted(c.get("many").decode()) == sorted("0123" * 20)  # none lost
+    for same in (False, True):  # (the same bytes from each: no append taken for another's)
+        threads = [threading.Thread(target=appender, args=(i, same)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert sorted(c.get("many").decode()) == sorted("0123" * 50)  # none lost
+    assert c.get("same") == b"a" * 200
     c.close()
 
 
