@@ -655,17 +655,28 @@ class Core:
               root: int) -> None:
         codec, key, ep = self.codec, self.key, self.ep
         obj = sends[0][1]
+        groups: Any = None
         for _, o in sends:
             if o is not obj:
                 break
-        else:  # one object for every destination (a single send, a root's result)
+        else:  # one object for every destination (a single send, a root's result): the usual
+            groups = ((obj, [sends[0][0]] if len(sends) == 1 else [d for d, _ in sends]),)
+        if groups is None:  # one encoding per distinct object
+            by_obj: dict[int, tuple[Any, list[int]]] = {}
+            for dst, o in sends:
+                entry = by_obj.get(id(o))
+                if entry is None:
+                    by_obj[id(o)] = (o, [dst])
+                else:
+                    entry[1].append(dst)
+            groups = by_obj.values()
+        for obj, dsts in groups:
             try:
                 payload, bufs = w.dumps(obj, codec)
             except CodecError as e:
                 payload, bufs = self._unsendable(e, opcode)
             if bufs or len(payload) > MAX_PAYLOAD:
                 payload, bufs = self._sized(payload, bufs, opcode)
-            dsts = [sends[0][0]] if len(sends) == 1 else [d for d, _ in sends]
             if self._stream and not bufs and type(payload) is bytes \
                     and len(payload) < COPY_THRESHOLD:  # the usual: one piece, framed at once
                 ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint (STREAM)
@@ -675,30 +686,6 @@ class Core:
                 ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
                                             root, codec, payload, bufs))
             else:  # each destination's MAC
-                self._send_signed(dsts, w.frames_for(dsts, w.COLL, self.rank, self.group_id,
-                                                     seq, rnd, opcode, root, codec, payload,
-                                                     bufs, key))
-            self.sent += len(sends)
-            return
-        # else one encoding per distinct object
-        by_obj: dict[int, tuple[Any, list[int]]] = {}
-        for dst, obj in sends:
-            entry = by_obj.get(id(obj))
-            if entry is None:
-                by_obj[id(obj)] = (obj, [dst])
-            else:
-                entry[1].append(dst)
-        for obj, dsts in by_obj.values():
-            try:
-                payload, bufs = w.dumps(obj, codec)
-            except CodecError as e:
-                payload, bufs = self._unsendable(e, opcode)
-            if bufs or len(payload) > MAX_PAYLOAD:
-                payload, bufs = self._sized(payload, bufs, opcode)
-            if not key:
-                ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
-                                            root, codec, payload, bufs))
-            else:
                 self._send_signed(dsts, w.frames_for(dsts, w.COLL, self.rank, self.group_id,
                                                      seq, rnd, opcode, root, codec, payload,
                                                      bufs, key))
