@@ -888,8 +888,7 @@ ASK_S = 0.5  # how long a formation that timed out asks the store why
 
 
 def _alike(address: str) -> dict[str, str]:
-    return {f.split(":", 1)[0]: f.split(":", 1)[1] for f in address.split(" ")[2:]
-            if f.startswith(ALIKE)}
+    return dict(f.split(":", 1) for f in address.split(" ")[2:] if f.startswith(ALIKE))
 
 
 def _differ(name: str, mine: str, records: dict[int, str]) -> str:
