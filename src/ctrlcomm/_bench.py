@@ -686,10 +686,72 @@ def read_config(path: str) -> dict[str, Any]:
     return c if isinstance(c, dict) else {}
 
 
+# environment variables that change what ctrlcomm runs (recorded with a run: see host_facts)
+CHOICE_ENV = ("CTRLCOMM_ALGO", "CTRLCOMM_SMALL_WORLD", "CTRLCOMM_LOCAL_SOCKETS")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def loop_us() -> float:
+    """How fast this Python runs here, now: ``sum(range(1000))`` in microseconds, best of 5."""
+    import timeit
+
+    return round(min(timeit.repeat("sum(range(1000))", repeat=5, number=200)) / 200 * 1e6, 2)
+
+
+def record_host(cfg: dict[str, Any]) -> None:
+    """Record in ``cfg`` (for the JSON) what decides a run's figures besides its settings, so
+    that runs on different machines can be told apart: Python, CPUs, the kernel, the CPU
+    model, the environment variables that change ctrlcomm's choices (:data:`CHOICE_ENV`),
+    and how fast this Python runs a fixed loop (:func:`loop_us`) before the run; call
+    :func:`record_speed_after` after it. Machines of one kind have differed by 2x in that
+    loop, and one machine by as much from minute to minute (a shared host): ctrlcomm's CPU
+    per call, Python, follows it; the C++ store and MPI baselines much less."""
+    import platform
+
+    cfg.setdefault("python", sys.version.split()[0])
+    cfg.setdefault("cpus", os.cpu_count())
+    cfg["host"] = {"kernel": f"{platform.system()} {platform.release()}", "cpu": _cpu_model(),
+                   "env": {k: os.environ[k] for k in CHOICE_ENV if k in os.environ},
+                   "sum_range_1000_us": [loop_us()]}
+
+
+def record_speed_after(cfg: dict[str, Any]) -> None:
+    speeds = cfg.get("host", {}).get("sum_range_1000_us")
+    if isinstance(speeds, list) and len(speeds) == 1:
+        speeds.append(loop_us())
+
+
+def describe_host(cfg: Mapping[str, Any]) -> str:
+    """One line on the machine a run ran on ("" for a saved run that did not record it)."""
+    h = cfg.get("host")
+    if not isinstance(h, dict):
+        return ""
+    env = h.get("env")
+    speeds = h.get("sum_range_1000_us")
+    speed = " and ".join(map(str, speeds)) if isinstance(speeds, list) else speeds
+    return (f"ran on: {h.get('kernel', '?')}, {h.get('cpu', '?')}, {cfg.get('cpus', '?')} "
+            f"CPUs, Python {cfg.get('python', '?')}; sum(range(1000)) took {speed} us "
+            "(before and after the run)"
+            + ("; " + " ".join(f"{k}={v}" for k, v in env.items())
+               if isinstance(env, dict) and env else ""))
+
+
 def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
-    # (python, cpus and when: a saved run's, shown again, are kept as they were)
+    # (python, cpus, when and host: a saved run's, shown again, are kept as they were)
     meta = {k: v for k, v in cfg.items()
-            if k in SETTINGS + ("world_sizes", "against", "python", "cpus", "when")}
+            if k in SETTINGS + ("world_sizes", "against", "python", "cpus", "when", "host")}
     meta.setdefault("python", sys.version.split()[0])
     meta.setdefault("cpus", os.cpu_count())
     meta.setdefault("when", time.strftime("%Y-%m-%dT%H:%M:%S"))

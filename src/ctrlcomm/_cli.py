@@ -183,6 +183,8 @@ def _bench(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         if not _runnable(b, cfg, [args.world_size]):
             return 2
+        if args.rank == 0:  # (the rank that reports)
+            b.record_host(cfg)
         try:
             rows = b.run_multihost(args.host, args.port, args.rank, args.world_size, cfg)
         except ValueError as e:  # the ranks were started with different settings
@@ -215,6 +217,7 @@ def _bench(args: argparse.Namespace) -> int:
         if not _runnable(b, cfg, cfg["world_sizes"]):
             return 2
         cfg["against"] = systems[1 + bool(args.aio):]
+        b.record_host(cfg)
         rows = b.run_local(cfg["world_sizes"], systems, cfg, failed=failed)
     if rows is None:  # a multi-host rank other than 0: rank 0 prints
         return 0
@@ -224,6 +227,10 @@ def _bench(args: argparse.Namespace) -> int:
     # ctrlcomm stays the first column, the base of the ratios, even where its run failed
     shown = systems[:1] + [s for s in systems[1:] if any(r["system"] == s for r in rows)]
     print(b.table(rows, shown))
+    if not args.from_json:
+        b.record_speed_after(cfg)
+    if b.describe_host(cfg):
+        print(b.describe_host(cfg))
     if args.json:
         try:
             b.write_json(args.json, rows, cfg)

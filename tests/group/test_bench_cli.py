@@ -8,9 +8,10 @@ import sys
 import pytest
 
 
-def run(*args, timeout=300):
+def run(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, "-m", "ctrlcomm", "bench", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def multihost(args_by_rank, timeout):
@@ -382,6 +383,31 @@ def test_bench_from_json_with_json_writes_the_saved_runs_settings(tmp_path):
     saved, copy = json.loads(out.read_text()), json.loads(again.read_text())
     assert copy == saved
     assert saved["config"]["iters"] == 5 and saved["config"]["world_sizes"] == [2]
+
+
+def test_bench_records_and_shows_the_machine_it_ran_on(tmp_path):
+    """Runs on different machines, or with ctrlcomm's choices overridden, can be told apart:
+    the JSON records the kernel, the CPU, a Python speed figure before and after the run and
+    the overriding variables, and the table is followed by a line saying so, also when a
+    saved run is shown again."""
+    import platform
+
+    out = tmp_path / "r.json"
+    p = run("-n", "2", "--ops", "barrier", "--iters", "5", "--warmup", "1", "--json", str(out),
+            env={"CTRLCOMM_ALGO": "barrier=star"})
+    assert p.returncode == 0, p.stderr
+    cfg = json.loads(out.read_text())["config"]
+    host = cfg["host"]
+    assert host["kernel"] == f"{platform.system()} {platform.release()}" and host["cpu"]
+    assert host["env"] == {"CTRLCOMM_ALGO": "barrier=star"}
+    speeds = host["sum_range_1000_us"]
+    assert len(speeds) == 2 and all(0 < v < 100_000 for v in speeds)
+    assert cfg["python"] == sys.version.split()[0] and cfg["cpus"] == os.cpu_count()
+    shown = run("--from-json", str(out), timeout=60)
+    for text in (p.stdout, shown.stdout):
+        line = next(ln for ln in text.splitlines() if ln.startswith("ran on: "))
+        assert platform.release() in line and f"{speeds[0]} and {speeds[1]} us" in line
+        assert "CTRLCOMM_ALGO=barrier=star" in line and f"Python {cfg['python']}" in line
 
 
 def test_bench_counts_each_world_size_op_and_size_once_and_names_the_plot_it_writes(tmp_path):
