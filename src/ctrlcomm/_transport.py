@@ -1379,8 +1379,10 @@ class Heartbeat:
                     except OSError:
                         pass  # unreachable now; the peer's silence is what we report
                 next_send = now + self.interval
-            self.sock.settimeout(max(next_send - time.monotonic(), 0.001))
             try:
+                # (in the try too: close() closes the socket after waiting a second for this
+                # thread, which a starved process may not have run by then)
+                self.sock.settimeout(max(next_send - time.monotonic(), 0.001))
                 data = self.sock.recv(64)
             except TimeoutError:
                 continue
