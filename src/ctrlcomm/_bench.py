@@ -8,7 +8,8 @@ p99 across iterations; the JSON also gives median and p99 over every rank's time
 iteration (``median_all_us``, ``p99_all_us``). CPU time is the process CPU time per op,
 averaged over ranks (and, in the JSON, each rank's: ``cpu_us_per_rank``,
 ``cpu_frac_per_rank``): with waiting done by sleeping in the kernel it stays well below the
-latency.
+latency. The figures of a ping-pong (send_recv) are those of ranks 0 and 1 only, the two that
+take part.
 
 Systems are registered in :data:`SYSTEMS`; each is a function run in every rank that returns
 ``{(op, size): {"times": [...], "cpu": seconds_per_op}}``.
@@ -308,9 +309,13 @@ def merge(a: list[Results], b: list[Results]) -> list[Results]:
 
 
 def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, Any]]:
+    """Each (op, size)'s figures over the ranks that take part in it: every rank, but ranks 0
+    and 1 alone for a ping-pong (:data:`PAIR_OPS`; the others' empty calls would pull the
+    medians and the CPU towards 0). The per-rank lists give every rank, in rank order."""
     out = {}
     for key in per_rank[0]:
-        runs = [r[key]["times"] for r in per_rank]
+        takers = per_rank[:2] if key[0] in PAIR_OPS else per_rank
+        runs = [r[key]["times"] for r in takers]
         slowest = [max(ts) for ts in zip(*runs, strict=True)]
         slowest.sort()
         p99 = slowest[min(len(slowest) - 1, int(0.99 * len(slowest)))]
@@ -318,6 +323,7 @@ def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, Any]]:
         # CPU over wall time of the same calls, per rank: 1.0 would be spinning (or a rank
         # that never waits, as a broadcast's root)
         fracs = [r[key]["cpu"] * len(r[key]["times"]) / sum(r[key]["times"]) for r in per_rank]
+        taking = fracs[:len(takers)]
         out[key] = {
             "median_us": statistics.median(slowest) * 1e6,
             "p99_us": p99 * 1e6,
@@ -325,8 +331,8 @@ def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, Any]]:
             # the figures above are the stricter one, when the whole collective is done)
             "median_all_us": statistics.median(every) * 1e6,
             "p99_all_us": every[min(len(every) - 1, int(0.99 * len(every)))] * 1e6,
-            "cpu_us": statistics.fmean(r[key]["cpu"] for r in per_rank) * 1e6,
-            "cpu_frac": statistics.fmean(fracs),
+            "cpu_us": statistics.fmean(r[key]["cpu"] for r in takers) * 1e6,
+            "cpu_frac": statistics.fmean(taking),
             # the same two for each rank, in rank order (a root's differ from the others')
             "cpu_us_per_rank": [r[key]["cpu"] * 1e6 for r in per_rank],
             "cpu_frac_per_rank": fracs,

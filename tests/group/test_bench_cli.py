@@ -238,6 +238,24 @@ def test_merge_appends_samples_and_weights_cpu():
     assert fig["median_all_us"] == 2.5e6 and fig["p99_all_us"] == 9e6  # of all six
 
 
+def test_a_ping_pongs_figures_are_those_of_the_two_ranks_that_take_part():
+    """send_recv is a ping-pong between ranks 0 and 1: at world 8 the other six ranks' empty
+    calls (about 3 us of CPU, 1 us of time) were averaged in (ref25: 21 us of CPU per op
+    where ranks 0 and 1 took 95 and 59; median over every rank's time 1 us against 262)."""
+    from ctrlcomm._bench import summarize
+
+    pair = [{("send_recv", 8): {"times": [4.0, 6.0], "cpu": 2.0}},
+            {("send_recv", 8): {"times": [5.0, 5.0], "cpu": 1.0}}]
+    idle = [{("send_recv", 8): {"times": [1e-6, 1e-6], "cpu": 1e-6}}] * 6
+    fig = summarize(pair + idle)[("send_recv", 8)]
+    assert fig["median_us"] == 5.5e6 and fig["median_all_us"] == 5e6  # of [5, 6]; [4, 5, 5, 6]
+    assert fig["cpu_us"] == 1.5e6 and fig["cpu_frac"] == pytest.approx((0.4 + 0.2) / 2)
+    assert len(fig["cpu_us_per_rank"]) == 8  # every rank's own, still
+    # a collective's are every rank's
+    every = [{("barrier", 0): d[("send_recv", 8)]} for d in pair + idle]
+    assert summarize(every)[("barrier", 0)]["cpu_us"] == pytest.approx((3.0 + 6e-6) / 8 * 1e6)
+
+
 def _threads_numpy_adds() -> int:
     before = len(os.listdir("/proc/self/task"))
     import numpy  # noqa: F401
