@@ -98,8 +98,32 @@ def check_cfg(cfg: Mapping[str, Any]) -> None:
             raise ValueError(f"sizes must be integers >= 1 (bytes), got {size!r}")
 
 
+# ops whose one message may carry a payload per rank (a gathering root's, or a result)
+GATHERING = {"gather", "all_gather", "scatter"}
+
+
+def too_large(ops: Sequence[str], sizes: Sequence[int], world_sizes: Sequence[int]
+              ) -> str | None:
+    """Why a run could not send its payloads (None if it can): an op of it would put more
+    in one message than a message carries (found before the run, not after it: the ranks
+    would fail it one by one)."""
+    from ._core import MAX_PAYLOAD
+
+    room = MAX_PAYLOAD - 4096  # (the payload's encoding adds a few bytes)
+    for n in world_sizes:
+        for op in ops_at(ops, n):
+            for s in sizes if op in SIZED_OPS else ():
+                each = n if op in GATHERING else 1
+                if s * each > room:
+                    what = f"{op} puts {each} of them" if each > 1 else f"{op} puts it"
+                    return (f"--sizes {fmt_size(s)}: a payload of {s:,} bytes is too large at "
+                            f"world size {n}: {what} in one message, and a message carries "
+                            f"{MAX_PAYLOAD:,} bytes at most")
+    return None
+
+
 def fmt_size(n: int) -> str:
-    for unit, m in (("M", 1024**2), ("K", 1024)):
+    for unit, m in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
         if n >= m and n % m == 0:
             return f"{n // m}{unit}"
     return str(n)

@@ -98,12 +98,37 @@ def _multihost(args: argparse.Namespace) -> bool:
 
 
 def _runnable(b: Any, cfg: dict[str, Any], world_sizes: list[int]) -> bool:
-    """Whether some op can run at some of the world sizes; if not, says why."""
-    if any(b.ops_at(cfg["ops"], n) for n in world_sizes):
-        return True
-    print(f"nothing to run: {', '.join(cfg['ops'])} needs 2 ranks, and the world size is "
-          f"{', '.join(map(str, world_sizes))}", file=sys.stderr)
-    return False
+    """Whether the run can go: some op can run at some of the world sizes, and no payload
+    is more than its messages carry; if not, says why."""
+    if not any(b.ops_at(cfg["ops"], n) for n in world_sizes):
+        print(f"nothing to run: {', '.join(cfg['ops'])} needs 2 ranks, and the world size is "
+              f"{', '.join(map(str, world_sizes))}", file=sys.stderr)
+        return False
+    why = b.too_large(cfg["ops"], cfg["sizes"], world_sizes)
+    if why:
+        print(f"ctrlcomm bench: {why}", file=sys.stderr)
+        return False
+    return True
+
+
+def _writable(path: str) -> bool:
+    """Whether a file can be written at ``path``: tried, as permissions do not tell (root may
+    write anywhere they say, and /proc refuses new files whatever they say); a file this
+    made is removed again, one that was there is left as it was."""
+    if os.path.isdir(path):
+        return False
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError:
+        return False
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return True
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -134,10 +159,13 @@ def _bench(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] | None
     # found out before the run, not after it (by the rank that writes them)
     writes = not multihost or args.rank == 0
+    if writes and args.json and args.plot and os.path.abspath(args.json) == \
+            os.path.abspath(args.plot):
+        print(f"--json and --plot name the same file ({args.json}): one would overwrite the "
+              "other", file=sys.stderr)
+        return 2
     for opt, path in (("--json", args.json), ("--plot", args.plot)) if writes else ():
-        folder = os.path.dirname(os.path.abspath(path)) if path else ""
-        if path and (os.path.isdir(path) or not (os.path.isdir(folder)
-                                                 and os.access(folder, os.W_OK))):
+        if path and not _writable(path):
             print(f"{opt} {path}: cannot write there (a folder, no such folder, or not "
                   "writable)", file=sys.stderr)
             return 2
@@ -250,8 +278,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _bench_main(args: argparse.Namespace) -> int:
     """:func:`_bench`, ended cleanly by SIGTERM as by Ctrl-C: the ranks (and mpiexec) it
-    started are stopped (by pid, in the runner's cleanup) and it exits with 130."""
+    started are stopped (by pid, in the runner's cleanup) and it exits with 128 + the
+    signal's number, as a shell reports a process the signal ended (130 for Ctrl-C, 143
+    for SIGTERM)."""
+    got: list[int] = []
+
     def on_term(signum: int, frame: Any) -> None:
+        got.append(signum)
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, on_term) \
@@ -259,10 +292,10 @@ def _bench_main(args: argparse.Namespace) -> int:
     try:
         return _bench(args)
     except KeyboardInterrupt:
-        print("\nctrlcomm bench: interrupted" + ("" if _multihost(args) else
-                                                 "; the ranks it started are stopped"),
+        print("\nctrlcomm bench: " + ("terminated" if got else "interrupted")
+              + ("" if _multihost(args) else "; the ranks it started are stopped"),
               file=sys.stderr)
-        return 130
+        return 128 + (got[0] if got else signal.SIGINT)
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)

@@ -116,8 +116,8 @@ MAX_PAYLOAD = w.MAX_MESSAGE - 64 * 1024
 def _check_size(payload: Any, bufs: tuple[Any, ...]) -> None:
     size = memoryview(payload).nbytes + sum(memoryview(b).nbytes for b in bufs)
     if size > MAX_PAYLOAD:
-        raise CodecError(f"the object is {size / 2**30:.2f} GiB encoded, more than a message "
-                         f"carries ({MAX_PAYLOAD / 2**30:.2f} GiB): send it in parts")
+        raise CodecError(f"the object is {size / 2**30:.2f} GiB encoded ({size:,} bytes), more "
+                         f"than a message carries ({MAX_PAYLOAD:,} bytes): send it in parts")
 
 
 def _undecodable(m: w.Message, what: str, seq: int | None, e: Exception) -> CodecError:

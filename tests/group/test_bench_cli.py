@@ -84,6 +84,15 @@ def test_bench_rejects_unknown_ops_and_systems():
     (("--from-json", "/nonexistent/r.json"), "/nonexistent/r.json"),
     (("-n", "1", "--json", "/nonexistent/r.json"), "--json /nonexistent/r.json"),
     (("-n", "1", "--plot", "/nonexistent/r.png"), "--plot /nonexistent/r.png"),
+    # a folder whose permissions allow it, where no file can be made (it ran, then failed)
+    (("-n", "1", "--json", "/proc/r.json"), "--json /proc/r.json: cannot write there"),
+    (("-n", "1", "--json", "r.out", "--plot", "./r.out"), "name the same file (r.out)"),
+    # more than a message carries: each rank failed it, after the ranks had started
+    (("-n", "2", "--ops", "broadcast", "--sizes", "8,2G"),
+     "--sizes 2G: a payload of 2,147,483,648 bytes is too large at world size 2: broadcast "
+     "puts it in one message"),
+    (("-n", "2,4", "--ops", "barrier,all_gather", "--sizes", "600M"),
+     "at world size 4: all_gather puts 4 of them in one message"),
 ])
 def test_bench_rejects_bad_settings_naming_them_before_it_runs_anything(args, named):
     p = run(*args, timeout=60)
@@ -507,7 +516,8 @@ def _alive(pid):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
-    """SIGTERM: the bench stops its ranks (by pid) and exits with 130; SIGKILL, where no
+    """SIGTERM: the bench stops its ranks (by pid) and exits with 143 (128 + SIGTERM, as a
+    shell reports it; it said 130, Ctrl-C's, and "interrupted"); SIGKILL, where no
     cleanup runs: each rank ends with it (its parent-death signal)."""
     import signal
     import time
@@ -528,7 +538,7 @@ def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
         p.send_signal(getattr(signal, sig))
         _, err = p.communicate(timeout=30)
         if sig == "SIGTERM":
-            assert p.returncode == 130 and "interrupted" in err, (p.returncode, err)
+            assert p.returncode == 143 and "terminated" in err, (p.returncode, err)
         t = time.monotonic()
         while any(_alive(r) for r in ranks) and time.monotonic() - t < 10:
             time.sleep(0.1)
