@@ -425,6 +425,16 @@ class _Progress:
         self.stream.flush()
 
 
+def each_rank_failure(e: Exception) -> str:
+    """A failed run, a line (or a message's lines) per rank that failed: what each raised,
+    without the traceback, which shows the bench's code and not what went wrong."""
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return str(e)
+    return "\n".join(f"  rank {r}: " + text.split("\nTraceback (most recent call last):")[0]
+                     .strip() for r, text in sorted(failures.items()))
+
+
 def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
               stream: Any = sys.stderr, failed: dict[tuple[str, int], str] | None = None
               ) -> list[dict[str, Any]]:
@@ -514,8 +524,8 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
                     per_rank = run_one(n, system)
                 except RankFailedError as e:
                     # the others' figures are still worth a table: this one is left out
-                    failed[(system, n)] = str(e)
-                    stream.write(f"\n{system} at {n} ranks failed (left out): {e}\n")
+                    failed[(system, n)] = why = each_rank_failure(e)
+                    stream.write(f"\n{system} at {n} ranks failed (left out):\n{why}\n")
                     got.pop(system, None)
                     continue
                 each[system].append(summarize(per_rank))

@@ -348,6 +348,23 @@ def test_a_system_whose_run_fails_is_left_out_and_the_rest_reported(monkeypatch)
     assert "mpi at 2 ranks failed (left out)" in err.getvalue()
 
 
+def test_a_failed_run_is_told_in_a_line_per_rank_without_tracebacks():
+    """What each failing rank raised, not 25 lines of the bench's own code per rank."""
+    import io
+
+    from ctrlcomm import _bench
+
+    failed, err = {}, io.StringIO()
+    cfg = {"ops": ["barrier"], "sizes": [8], "iters": 5, "warmup": 1, "transport": "bogus"}
+    assert _bench.run_local([2], ["ctrlcomm"], cfg, stream=err, failed=failed) == []
+    text = err.getvalue()
+    assert "Traceback" not in text and 'File "' not in text, text
+    said = text.split("ctrlcomm at 2 ranks failed (left out):\n", 1)[1].rstrip().splitlines()
+    assert said[0].startswith("  rank 0: ") and "bogus" in said[0], said
+    assert len(said) == 2 and said[1].startswith("  rank 1: "), said
+    assert failed[("ctrlcomm", 2)] == "\n".join(said)
+
+
 def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, capsys):
     from ctrlcomm import _baselines, _bench, _cli
 
