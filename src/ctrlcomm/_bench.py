@@ -553,6 +553,7 @@ def _rows(n: int, systems: Sequence[str], got: Mapping[str, list[Results]],
 
 
 SETTINGS = ("ops", "sizes", "iters", "warmup", "aio", "repeat", "transport")
+MULTIHOST_WAIT_S = 300.0  # how long the ranks of a multi-host run wait for each other
 
 
 def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
@@ -578,11 +579,16 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
     bar = _Progress(len(plan) * len(systems) * repeat, stream) if rank == 0 else None
 
     def group(name: str) -> Any:
-        return Group.create(host, port, rank, n, name=name, host_store=False, timeout=300)
+        return Group.create(host, port, rank, n, name=name, host_store=False,
+                            timeout=MULTIHOST_WAIT_S)
 
     srv = StoreServer(host, port) if rank == 0 else None
     try:
         mine = {k: cfg.get(k) for k in SETTINGS}
+        if stream is not None:  # (the ranks may be started by hand, one by one: say so)
+            stream.write(f"rank {rank} of {n}: waiting for the other ranks at {host}:{port} "
+                         f"(at most {MULTIHOST_WAIT_S:g} s)\n")
+            stream.flush()
         with group("bench-settings") as g:
             everyone = g.all_gather(mine)
         differ = {r: {k: v for k, v in c.items() if v != mine[k]}

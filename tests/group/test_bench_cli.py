@@ -74,6 +74,8 @@ def test_bench_rejects_unknown_ops_and_systems():
     (("--world-size", "2",), "missing: --host --port --rank"),
     (("-n", "2", "--host", "127.0.0.1", "--port", "29999", "--rank", "0", "--world-size", "2"),
      "-n runs local ranks"),
+    (("--host", "127.0.0.1", "--port", "29999", "--rank", "0", "--world-size", "2", "--against",
+      "store"), "--against runs only with local ranks (-n), not in a multi-host run"),
     (("--sizes", "0"), "'0'"), (("--sizes", "0.1"), "'0.1'"), (("--sizes", "1.5"), "'1.5'"),
     (("-n", "1", "--plot", "r.txt"), "--plot r.txt: matplotlib cannot write .txt"),
     (("-n", "1", "--json", "/tmp"), "--json /tmp: cannot write there"),
@@ -214,6 +216,12 @@ def test_bench_multihost_mode_one_process_per_rank(tmp_path):
     # --repeat: the systems took turns twice, each turn's median beside the pooled one
     assert all(len(r["repeat_median_us"]) == 2 for r in rows)
     assert "12/12" in outs[2][1]  # rank 0's progress bar: 3 ops x 2 systems x 2 turns
+    # each rank says at once that it waits for the others, where, and for how long (rank 0
+    # alone with nobody coming waited 300 s in silence)
+    port = common[3]
+    for r, (_, err) in zip((1, 2, 0), outs, strict=True):
+        assert f"rank {r} of 3: waiting for the other ranks at 127.0.0.1:{port} (at most " \
+            "300 s)" in err.splitlines()[0], err
 
 
 def test_bench_repeat_pools_the_samples_of_alternating_runs(tmp_path):
@@ -463,6 +471,19 @@ def test_bench_counts_each_world_size_op_and_size_once_and_names_the_plot_it_wri
             for r in json.loads(out.read_text())["results"]]
     assert sorted(keys) == [("ctrlcomm", "barrier", 0, 2), ("ctrlcomm", "broadcast", 8, 2)]
     assert f"wrote {png}" in p.stdout and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sizes_that_send_the_same_small_object_run_once_saying_so(tmp_path):
+    """Up to 64 bytes every size sends one small object: --sizes 1,8,64 gave three rows of the
+    same measurement under three sizes."""
+    out = tmp_path / "r.json"
+    p = run("-n", "1", "--ops", "broadcast", "--sizes", "1,8,64,1K", "--iters", "3",
+            "--warmup", "0", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "--sizes 1, 8, 64: up to 64 bytes every size sends the same small object; " \
+        "running 1 only" in p.stderr
+    assert sorted(r["size"] for r in json.loads(out.read_text())["results"]) == [1, 1024]
+    assert "the same small object" in " ".join(run("--help").stdout.split())
 
 
 def test_send_recv_is_left_out_at_world_size_1_saying_so(tmp_path):
