@@ -794,12 +794,28 @@ def describe_host(cfg: Mapping[str, Any]) -> str:
                if isinstance(env, dict) and env else ""))
 
 
-def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
+def read_failed(path: str) -> dict[tuple[str, int], str]:
+    """The systems whose runs failed in a saved run, ``{(system, world size): why}`` (as
+    :func:`run_local` records them; none for a file from before they were written)."""
+    with open(path) as f:
+        data = json.load(f)
+    out = {}
+    for item in data.get("failed") or () if isinstance(data, dict) else ():
+        if isinstance(item, dict) and isinstance(item.get("system"), str) \
+                and type(item.get("world_size")) is int:
+            out[(item["system"], item["world_size"])] = str(item.get("why", ""))
+    return out
+
+
+def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any],
+               failed: Mapping[tuple[str, int], str] | None = None) -> None:
     # (python, cpus, when and host: a saved run's, shown again, are kept as they were)
     meta = {k: v for k, v in cfg.items()
             if k in SETTINGS + ("world_sizes", "against", "python", "cpus", "when", "host")}
     meta.setdefault("python", sys.version.split()[0])
     meta.setdefault("cpus", os.cpu_count())
     meta.setdefault("when", time.strftime("%Y-%m-%dT%H:%M:%S"))
+    lost = [{"system": sys_, "world_size": n, "why": why}
+            for (sys_, n), why in (failed or {}).items()]
     with open(path, "w") as f:
-        json.dump({"config": meta, "results": rows}, f, indent=1)
+        json.dump({"config": meta, "results": rows, "failed": lost}, f, indent=1)

@@ -373,7 +373,8 @@ def test_a_failed_run_is_told_in_a_line_per_rank_without_tracebacks():
     assert failed[("ctrlcomm", 2)] == "\n".join(said)
 
 
-def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, capsys):
+def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, capsys,
+                                                                    tmp_path):
     from ctrlcomm import _baselines, _bench, _cli
 
     store_row = {"system": "store", "op": "barrier", "size": 0, "world_size": 2,
@@ -393,6 +394,19 @@ def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, 
     assert head.index("ctrlcomm med") < head.index("store med")  # ctrlcomm still the base
     assert "n/a" in line and "200.0us" in line and "x" not in line.split("|")[2]
     assert "left out, their runs failed: ctrlcomm at 2 ranks" in err
+    # saved and shown again: the same table and the same line (the failure was forgotten:
+    # the store became the base, with no ratio, and nothing said ctrlcomm had failed)
+    saved = tmp_path / "r.json"
+    assert _cli.main(["bench", "-n", "2", "--ops", "barrier", "--against", "store",
+                      "--json", str(saved)]) == 1
+    live = capsys.readouterr()
+    assert json.loads(saved.read_text())["failed"] == [
+        {"system": "ctrlcomm", "world_size": 2, "why": "2 of 2 ranks failed: ..."}]
+    assert _cli.main(["bench", "--from-json", str(saved)]) == 0
+    shown = capsys.readouterr()
+    table = [ln for ln in live.out.splitlines() if not ln.startswith(("ran on", "wrote"))]
+    assert [ln for ln in shown.out.splitlines() if not ln.startswith("ran on")] == table
+    assert "left out, their runs failed: ctrlcomm at 2 ranks" in shown.err
     monkeypatch.setattr(_bench, "run_local", ran([]))
     assert _cli.main(["bench", "-n", "2", "--ops", "barrier"]) == 1
     assert "nothing ran" in capsys.readouterr().err
