@@ -52,10 +52,11 @@ def _share_ports(cfg: dict[str, Any], rank: int, what: str,
     ones), through the bench's own store; the other ranks get them. (A port picked ahead and
     bound later can be taken meanwhile by any connection of the machine: rank 0 then fails to
     bind, and the others wait for it.)"""
+    from ._bench import env_key
     from ._store import StoreClient
 
     store = StoreClient(cfg["host"], cfg["port"], timeout=DEADLINE_S,
-                        prefix=f"bench/{cfg['tag']}/")
+                        prefix=f"bench/{cfg['tag']}/", auth_key=env_key())
     try:
         if rank == 0:
             store.set(what, ",".join(map(str, ports)))

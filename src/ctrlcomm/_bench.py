@@ -98,8 +98,58 @@ def check_cfg(cfg: Mapping[str, Any]) -> None:
             raise ValueError(f"sizes must be integers >= 1 (bytes), got {size!r}")
 
 
-# ops whose one message may carry a payload per rank (a gathering root's, or a result)
-GATHERING = {"gather", "all_gather", "scatter"}
+def env_key() -> str | None:
+    """``CTRLCOMM_AUTH_KEY``, which every group the bench forms takes from the environment:
+    the bench's store needs it too (it ran without, and the ranks refused it)."""
+    return os.environ.get("CTRLCOMM_AUTH_KEY") or None
+
+
+class _Marker:
+    """Stands for one payload in :func:`most_per_message`."""
+
+
+def _markers(obj: Any) -> int:
+    if type(obj) is _Marker:
+        return 1
+    if isinstance(obj, (list, tuple)):
+        return sum(map(_markers, obj))
+    if isinstance(obj, dict):
+        return sum(map(_markers, obj.values()))
+    return 0
+
+
+def most_per_message(op: str, n: int) -> int:
+    """The most payloads one message of ``op`` carries at world size ``n``, found by running
+    the plan ctrlcomm chooses there (:func:`ctrlcomm._algo.choose`) in the in-memory
+    simulator with a marker for each rank's payload: a gather's tree carries a subtree's,
+    the star all_gather's result every rank's, a flat gather one. 0 where nothing is sent."""
+    if n < 2 or op not in SIZED_OPS:
+        return 0
+    if op not in ("gather", "scatter", "all_gather"):
+        return 1  # a payload or a reduced one (all_reduce), to each destination
+    from . import _algo
+    from .testing import simulate
+
+    plan = _algo.choose(op, n)
+    most = [0]
+
+    def counted(ctx: Any) -> Any:
+        mine = _Marker()
+        gen = plan(ctx, mine) if op == "all_gather" else \
+            plan(ctx, [_Marker() for _ in range(n)] if ctx.rank == 0 else None, 0) \
+            if op == "scatter" else plan(ctx, mine, 0)
+        reply = None
+        while True:
+            try:
+                step = gen.send(reply)  # type: ignore[arg-type]  # (None: the first)
+            except StopIteration as e:
+                return e.value
+            for _, obj in step.sends:
+                most[0] = max(most[0], _markers(obj))
+            reply = yield step
+
+    simulate(counted, n, copy=False)
+    return most[0]
 
 
 def too_large(ops: Sequence[str], sizes: Sequence[int], world_sizes: Sequence[int]
@@ -112,13 +162,14 @@ def too_large(ops: Sequence[str], sizes: Sequence[int], world_sizes: Sequence[in
     room = MAX_PAYLOAD - 4096  # (the payload's encoding adds a few bytes)
     for n in world_sizes:
         for op in ops_at(ops, n):
-            for s in sizes if op in SIZED_OPS else ():
-                each = n if op in GATHERING else 1
-                if s * each > room:
+            big = [s for s in sizes if s > room // max(n, 1)] if op in SIZED_OPS else []
+            each = most_per_message(op, n) if big else 0  # (simulated only when it may matter)
+            for s in big:
+                if each and s * each > room:
                     what = f"{op} puts {each} of them" if each > 1 else f"{op} puts it"
                     return (f"--sizes {fmt_size(s)}: a payload of {s:,} bytes is too large at "
                             f"world size {n}: {what} in one message, and a message carries "
-                            f"{MAX_PAYLOAD:,} bytes at most")
+                            f"{room:,} bytes of payload at most")
     return None
 
 
@@ -494,7 +545,7 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
 
         th = threading.Thread(target=pump, daemon=True)
         th.start()
-        with StoreServer("127.0.0.1", 0) as srv:
+        with StoreServer("127.0.0.1", 0, auth_key=env_key()) as srv:
             c = dict(ncfg, host="127.0.0.1", port=srv.port, host_store=False,
                      tag=f"{system}{n}")
             try:
@@ -582,7 +633,7 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
         return Group.create(host, port, rank, n, name=name, host_store=False,
                             timeout=MULTIHOST_WAIT_S)
 
-    srv = StoreServer(host, port) if rank == 0 else None
+    srv = StoreServer(host, port, auth_key=env_key()) if rank == 0 else None
     try:
         mine = {k: cfg.get(k) for k in SETTINGS}
         if stream is not None:  # (the ranks may be started by hand, one by one: say so)
@@ -732,8 +783,10 @@ def read_config(path: str) -> dict[str, Any]:
     return c if isinstance(c, dict) else {}
 
 
-# environment variables that change what ctrlcomm runs (recorded with a run: see host_facts)
-CHOICE_ENV = ("CTRLCOMM_ALGO", "CTRLCOMM_SMALL_WORLD", "CTRLCOMM_LOCAL_SOCKETS")
+# environment variables that change what ctrlcomm runs (recorded with a run: see record_host;
+# the key's value never, only that one is set: it makes every message carry a MAC)
+CHOICE_ENV = ("CTRLCOMM_ALGO", "CTRLCOMM_SMALL_WORLD", "CTRLCOMM_LOCAL_SOCKETS",
+              "CTRLCOMM_LIVENESS_TIMEOUT", "CTRLCOMM_AUTH_KEY")
 
 
 def _cpu_model() -> str:
@@ -769,7 +822,8 @@ def record_host(cfg: dict[str, Any]) -> None:
     cfg.setdefault("python", sys.version.split()[0])
     cfg.setdefault("cpus", os.cpu_count())
     cfg["host"] = {"kernel": f"{platform.system()} {platform.release()}", "cpu": _cpu_model(),
-                   "env": {k: os.environ[k] for k in CHOICE_ENV if k in os.environ},
+                   "env": {k: "(set)" if k == "CTRLCOMM_AUTH_KEY" else os.environ[k]
+                           for k in CHOICE_ENV if os.environ.get(k)},
                    "sum_range_1000_us": [loop_us()]}
 
 

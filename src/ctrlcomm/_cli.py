@@ -112,22 +112,23 @@ def _runnable(b: Any, cfg: dict[str, Any], world_sizes: list[int]) -> bool:
 
 
 def _writable(path: str) -> bool:
-    """Whether a file can be written at ``path``: tried, as permissions do not tell (root may
-    write anywhere they say, and /proc refuses new files whatever they say); a file this
-    made is removed again, one that was there is left as it was."""
+    """Whether a file can be written at ``path``. A new one is tried (created exclusively,
+    not through a link, and removed again): permissions do not tell (root may write anywhere
+    they say, and /proc refuses new files whatever they say). What is there already (a file,
+    a named pipe, a link) is not opened: its permissions are asked."""
     if os.path.isdir(path):
         return False
-    existed = os.path.exists(path)
+    if os.path.lexists(path):
+        return os.access(path, os.W_OK)
     try:
-        with open(path, "ab"):
-            pass
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return False
-    if not existed:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    os.close(fd)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
     return True
 
 
@@ -147,10 +148,13 @@ def _bench(args: argparse.Namespace) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     small = [z for z in dict.fromkeys(args.sizes) if z <= b.SMALL]
+    sized = [o for o in args.ops.split(",") if o.strip() in b.SIZED_OPS]
     if len(small) > 1 and not args.from_json:
-        print(f"--sizes {', '.join(map(str, small))}: up to {b.SMALL} bytes every size sends "
-              f"the same small object; running {small[0]} only", file=sys.stderr)
-        args.sizes = [z for z in args.sizes if z > b.SMALL or z == small[0]]
+        keep = 8 if 8 in small else small[0]  # (8: the size the reference runs show)
+        if sized:
+            print(f"--sizes {', '.join(map(str, small))}: up to {b.SMALL} bytes every size "
+                  f"sends the same small object; running {keep} only", file=sys.stderr)
+        args.sizes = [z for z in args.sizes if z > b.SMALL or z == keep]
     cfg = {"ops": [o.strip() for o in args.ops.split(",") if o.strip()], "sizes": args.sizes,
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
            "transport": args.transport, "repeat": args.repeat}
@@ -188,9 +192,13 @@ def _bench(args: argparse.Namespace) -> int:
             rows = b.read_json(args.from_json)
             cfg = b.read_config(args.from_json)  # (what --json writes again)
             failed.update(b.read_failed(args.from_json))
-            systems = list(dict.fromkeys([r["system"] for r in rows] + [s for s, _ in failed]))
-            if "ctrlcomm" in systems:  # the base of the ratios, as in the run
-                systems.insert(0, systems.pop(systems.index("ctrlcomm")))
+            # the columns in the run's order (ctrlcomm, the base of the ratios, first), then
+            # any other system the file holds
+            held = list(dict.fromkeys([r["system"] for r in rows] + [s for s, _ in failed]))
+            against: list[str] = cfg["against"] if isinstance(cfg.get("against"), list) else []
+            order = ["ctrlcomm", *(["ctrlcomm-aio"] if cfg.get("aio") else []), *against]
+            systems = [s for s in dict.fromkeys(order) if s in held]
+            systems += [s for s in held if s not in systems]
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"--from-json {args.from_json}: not the results of a bench run "
                   f"({type(e).__name__}: {e})", file=sys.stderr)

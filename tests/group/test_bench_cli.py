@@ -410,6 +410,22 @@ def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, 
     table = [ln for ln in live.out.splitlines() if not ln.startswith(("ran on", "wrote"))]
     assert [ln for ln in shown.out.splitlines() if not ln.startswith("ran on")] == table
     assert "left out, their runs failed: ctrlcomm at 2 ranks" in shown.err
+    # the columns in the run's order, where a system failed at the first world size and ran
+    # at the next (its column moved behind the next one's)
+    rows = [dict(store_row, system=s, world_size=n) for s, n in
+            (("ctrlcomm", 2), ("ctrlcomm", 4), ("gloo", 2), ("gloo", 4), ("store", 4))]
+
+    def store_failed_at_2(world_sizes, systems, cfg, stream=None, failed=None):
+        failed[("store", 2)] = "2 of 2 ranks failed: ..."
+        return rows
+
+    monkeypatch.setattr(_bench, "run_local", store_failed_at_2)
+    assert _cli.main(["bench", "-n", "2,4", "--ops", "barrier", "--against", "store,gloo",
+                      "--json", str(saved)]) == 1
+    live_head = capsys.readouterr().out.splitlines()[0]
+    assert _cli.main(["bench", "--from-json", str(saved)]) == 0
+    shown_head = capsys.readouterr().out.splitlines()[0]
+    assert shown_head == live_head and live_head.index("store") < live_head.index("gloo")
     monkeypatch.setattr(_bench, "run_local", ran([]))
     assert _cli.main(["bench", "-n", "2", "--ops", "barrier"]) == 1
     assert "nothing ran" in capsys.readouterr().err
@@ -462,13 +478,20 @@ def test_bench_records_and_shows_the_machine_it_ran_on(tmp_path):
     import platform
 
     out = tmp_path / "r.json"
-    p = run("-n", "2", "--ops", "barrier", "--iters", "5", "--warmup", "1", "--json", str(out),
-            env={"CTRLCOMM_ALGO": "barrier=star"})
+    # (with the auth key every group of the run is keyed, the bench's own store too: the
+    # ranks refused the unkeyed store it ran, and nothing ran; the key itself is not written)
+    p = run("-n", "2", "--ops", "barrier,all_reduce", "--iters", "5", "--warmup", "1",
+            "--against", "star", "--json", str(out),
+            env={"CTRLCOMM_ALGO": "barrier=star", "CTRLCOMM_AUTH_KEY": "s3cret-k3y"})
     assert p.returncode == 0, p.stderr
-    cfg = json.loads(out.read_text())["config"]
+    assert "s3cret" not in out.read_text() and "s3cret" not in p.stdout + p.stderr
+    data = json.loads(out.read_text())
+    assert {(r["system"], r["op"]) for r in data["results"]} == {
+        ("ctrlcomm", "barrier"), ("ctrlcomm", "all_reduce"), ("star", "all_reduce")}
+    cfg = data["config"]
     host = cfg["host"]
     assert host["kernel"] == f"{platform.system()} {platform.release()}" and host["cpu"]
-    assert host["env"] == {"CTRLCOMM_ALGO": "barrier=star"}
+    assert host["env"] == {"CTRLCOMM_ALGO": "barrier=star", "CTRLCOMM_AUTH_KEY": "(set)"}
     speeds = host["sum_range_1000_us"]
     assert len(speeds) == 2 and all(0 < v < 100_000 for v in speeds)
     assert cfg["python"] == sys.version.split()[0] and cfg["cpus"] == os.cpu_count()
@@ -476,7 +499,8 @@ def test_bench_records_and_shows_the_machine_it_ran_on(tmp_path):
     for text in (p.stdout, shown.stdout):
         line = next(ln for ln in text.splitlines() if ln.startswith("ran on: "))
         assert platform.release() in line and f"{speeds[0]} and {speeds[1]} us" in line
-        assert "CTRLCOMM_ALGO=barrier=star" in line and f"Python {cfg['python']}" in line
+        assert "CTRLCOMM_ALGO=barrier=star CTRLCOMM_AUTH_KEY=(set)" in line, line
+        assert f"Python {cfg['python']}" in line
 
 
 def test_bench_counts_each_world_size_op_and_size_once_and_names_the_plot_it_writes(tmp_path):
@@ -498,9 +522,54 @@ def test_sizes_that_send_the_same_small_object_run_once_saying_so(tmp_path):
             "--warmup", "0", "--json", str(out))
     assert p.returncode == 0, p.stderr
     assert "--sizes 1, 8, 64: up to 64 bytes every size sends the same small object; " \
-        "running 1 only" in p.stderr
-    assert sorted(r["size"] for r in json.loads(out.read_text())["results"]) == [1, 1024]
+        "running 8 only" in p.stderr  # (8: the size the reference runs show)
+    assert sorted(r["size"] for r in json.loads(out.read_text())["results"]) == [8, 1024]
+    quiet = run("-n", "1", "--ops", "barrier", "--sizes", "8,16", "--iters", "2", "--warmup",
+                "0")  # no op that carries a payload: nothing to say
+    assert quiet.returncode == 0 and "small object" not in quiet.stderr, quiet.stderr
     assert "the same small object" in " ".join(run("--help").stdout.split())
+
+
+def test_the_size_check_counts_the_payloads_the_chosen_plan_puts_in_one_message():
+    """Refused only what would fail: each op's most payloads in one message, from the plan
+    ctrlcomm runs at that world size (it took a gather or all_gather to carry one per rank:
+    a 1 GiB gather at world 2, one payload per message, was refused)."""
+    from ctrlcomm._bench import most_per_message, too_large
+
+    assert [most_per_message("gather", n) for n in (1, 2, 8, 9, 16, 300)] == \
+        [0, 1, 1, 4, 8, 128]  # flat up to 8 ranks, then a binomial tree's largest subtree
+    assert [most_per_message("all_gather", n) for n in (2, 3, 8, 9, 16)] == [1, 3, 8, 4, 8]
+    assert [most_per_message("scatter", n) for n in (4, 9)] == [1, 4]
+    assert most_per_message("broadcast", 8) == most_per_message("all_reduce", 64) == 1
+    assert most_per_message("barrier", 8) == 0
+    g = 1 << 30
+    assert too_large(["gather", "all_gather", "scatter"], [g], [2]) is None
+    assert too_large(["broadcast"], [3 * g], [1]) is None  # nothing sent
+    why = too_large(["barrier", "gather"], [8, 300 << 20], [8, 16])
+    assert why is not None and "at world size 16: gather puts 8 of them in one message" in why
+    assert "at world size 2: broadcast puts it" in too_large(["broadcast"], [2 * g], [2])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_the_output_check_opens_no_existing_file_and_leaves_nothing_behind(tmp_path):
+    """--json and --plot are tried before the run: a new file is made and removed; what is
+    there is not opened (a named pipe's reader got an end of file, and the run's own write
+    then blocked for ever), and a link is not followed (a dangling one was replaced by a
+    file, its target made)."""
+    from ctrlcomm._cli import _writable
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert _writable(str(fifo))  # at once: not opened (with no reader, an open would block)
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "sub" / "target.json")
+    assert not _writable(str(link))
+    assert link.is_symlink() and not (tmp_path / "sub").exists()
+    new = tmp_path / "new.json"
+    assert _writable(str(new)) and not new.exists()
+    assert not _writable(str(tmp_path)) and not _writable(str(tmp_path / "no" / "r.json"))
+    if os.path.isdir("/proc/self"):
+        assert not _writable("/proc/r.json")
 
 
 def test_send_recv_is_left_out_at_world_size_1_saying_so(tmp_path):
