@@ -128,13 +128,12 @@ def frames(kind: int, src: int, group_id: int, seq: int, rnd: int, op: int, root
            codec: int, payload: Any, buffers: tuple[Any, ...] = (), key: bytes | None = None,
            dst: int = -1) -> list[Any]:
     """:func:`encode` of the message with these fields, without building the message."""
-    header = HEADER.pack(MAGIC, VERSION, kind, op, codec, FLAG_MAC if key else 0, src,
-                         group_id, seq, rnd, root, len(buffers))
-    if not key:
-        return [header, payload, *buffers] if buffers else [header, payload]
-    out: list[Any] = [header, payload, *buffers]
-    out.append(_mac(key, out, dst))
-    return out
+    if key:
+        return frames_for((dst,), kind, src, group_id, seq, rnd, op, root, codec, payload,
+                          buffers, key)[0]
+    header = HEADER.pack(MAGIC, VERSION, kind, op, codec, 0, src, group_id, seq, rnd, root,
+                         len(buffers))
+    return [header, payload, *buffers] if buffers else [header, payload]
 
 
 def sign_each(frames: list[Any], key: bytes, dsts: Sequence[int]) -> list[list[Any]]:
