@@ -751,8 +751,11 @@ def check_plot(path: str) -> None:
                          f"{', '.join('.' + k for k in sorted(kinds))})")
 
 
-def read_json(path: str) -> list[dict[str, Any]]:
-    """The rows of a run that :func:`write_json` wrote; ValueError for anything else."""
+def read_run(path: str) -> tuple[list[dict[str, Any]], dict[str, Any],
+                                  dict[tuple[str, int], str]]:
+    """A run that :func:`write_json` wrote, read once: its rows, its settings, and the systems
+    whose runs failed, ``{(system, world size): why}`` (none in a file from before they were
+    written). ValueError for a file whose rows are not a run's."""
     with open(path) as f:
         data = json.load(f)
     rows = data.get("results") if isinstance(data, dict) else None
@@ -773,14 +776,13 @@ def read_json(path: str) -> list[dict[str, Any]]:
         if bad:
             raise ValueError(f"results[{i}] has a bad " + ", ".join(
                 f"{k} ({r[k]!r})" for k in bad))
-    return rows
-
-
-def read_config(path: str) -> dict[str, Any]:
-    """The settings a saved run recorded (after :func:`read_json` accepted the file)."""
-    with open(path) as f:
-        c = json.load(f).get("config")
-    return c if isinstance(c, dict) else {}
+    cfg = data.get("config")
+    failed = {}
+    for item in data.get("failed") or ():
+        if isinstance(item, dict) and isinstance(item.get("system"), str) \
+                and type(item.get("world_size")) is int:
+            failed[(item["system"], item["world_size"])] = str(item.get("why", ""))
+    return rows, cfg if isinstance(cfg, dict) else {}, failed
 
 
 # environment variables that change what ctrlcomm runs (recorded with a run: see record_host;
@@ -846,19 +848,6 @@ def describe_host(cfg: Mapping[str, Any]) -> str:
             "(before and after the run)"
             + ("; " + " ".join(f"{k}={v}" for k, v in env.items())
                if isinstance(env, dict) and env else ""))
-
-
-def read_failed(path: str) -> dict[tuple[str, int], str]:
-    """The systems whose runs failed in a saved run, ``{(system, world size): why}`` (as
-    :func:`run_local` records them; none for a file from before they were written)."""
-    with open(path) as f:
-        data = json.load(f)
-    out = {}
-    for item in data.get("failed") or () if isinstance(data, dict) else ():
-        if isinstance(item, dict) and isinstance(item.get("system"), str) \
-                and type(item.get("world_size")) is int:
-            out[(item["system"], item["world_size"])] = str(item.get("why", ""))
-    return out
 
 
 def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any],

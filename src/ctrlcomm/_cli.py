@@ -147,17 +147,16 @@ def _bench(args: argparse.Namespace) -> int:
     for k, v in BENCH_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    small = [z for z in dict.fromkeys(args.sizes) if z <= b.SMALL]
-    sized = [o for o in args.ops.split(",") if o.strip() in b.SIZED_OPS]
-    if len(small) > 1 and not args.from_json:
-        keep = 8 if 8 in small else small[0]  # (8: the size the reference runs show)
-        if sized:
-            print(f"--sizes {', '.join(map(str, small))}: up to {b.SMALL} bytes every size "
-                  f"sends the same small object; running {keep} only", file=sys.stderr)
-        args.sizes = [z for z in args.sizes if z > b.SMALL or z == keep]
     cfg = {"ops": [o.strip() for o in args.ops.split(",") if o.strip()], "sizes": args.sizes,
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
            "transport": args.transport, "repeat": args.repeat}
+    small = [z for z in dict.fromkeys(args.sizes) if z <= b.SMALL]
+    if len(small) > 1 and not args.from_json:
+        keep = 8 if 8 in small else small[0]  # (8: the size the reference runs show)
+        if b.SIZED_OPS.intersection(cfg["ops"]):
+            print(f"--sizes {', '.join(map(str, small))}: up to {b.SMALL} bytes every size "
+                  f"sends the same small object; running {keep} only", file=sys.stderr)
+        cfg["sizes"] = [z for z in args.sizes if z > b.SMALL or z == keep]
     try:
         b.check_cfg(cfg)
     except ValueError as e:
@@ -189,9 +188,8 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     if args.from_json:
         try:
-            rows = b.read_json(args.from_json)
-            cfg = b.read_config(args.from_json)  # (what --json writes again)
-            failed.update(b.read_failed(args.from_json))
+            rows, cfg, saved_failed = b.read_run(args.from_json)  # (cfg: what --json writes)
+            failed.update(saved_failed)
             # the columns in the run's order (ctrlcomm, the base of the ratios, first), then
             # any other system the file holds
             held = list(dict.fromkeys([r["system"] for r in rows] + [s for s, _ in failed]))
@@ -275,8 +273,9 @@ def _bench(args: argparse.Namespace) -> int:
     print(b.table(rows, shown))
     if not args.from_json:
         b.record_speed_after(cfg)
-    if b.describe_host(cfg):
-        print(b.describe_host(cfg))
+    ran_on = b.describe_host(cfg)
+    if ran_on:
+        print(ran_on)
     if args.json:
         try:
             b.write_json(args.json, rows, cfg, failed)
