@@ -36,6 +36,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
+from itertools import repeat
 from typing import Any, NamedTuple
 
 from . import _ops, _plans
@@ -141,6 +142,10 @@ _monotonic = time.monotonic
 _get_ident = threading.get_ident
 _ploads = w._ploads  # the usual payload is decoded in line (w.loads without its call)
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
+_pdumps = w._pdumps
+_COLL, _PICKLE = w.COLL, w.PICKLE
+_FAST2, _HSIZE = w._FAST2, w.HEADER.size  # the stream prefix and header, packed in one go
+_BYTES = (bytes, bytearray)  # large ones are taken out of band by w.dumps
 
 
 class Core:
@@ -158,6 +163,14 @@ class Core:
         self.key = key
         self.timeout = timeout
         self.seq = 0  # next collective's sequence number
+        # the collective messages of a seq below this are stale: self.seq, or during a
+        # collective its seq (self.seq - 1)
+        self._floor = 0
+        # the seq, and (opcode, root), of the collective in progress (-1: none): a message of
+        # that seq with another opcode or root is a mismatch
+        self._cur_seq = -1
+        self._cur_call = (0, 0)
+        self._peers = frozenset(range(size)) - {rank}  # the ranks a message may come from
         # collective messages: seq -> {(round, src): message}; held[src] counts them per sender
         self.box: dict[int, dict[tuple[int, int], w.Message]] = {}
         # a plain dict, one entry per rank (a Counter, a dict subclass, is read and written
@@ -208,6 +221,8 @@ class Core:
         self._looked = False  # whether it read its sockets once more at the deadline
         # messages without a MAC go to a stream endpoint framed in one piece (Core._post)
         self._stream = endpoint.STREAM and not key
+        # ... and, pickled, the usual small object is framed in line (Core._post)
+        self._fast = self._stream and codec == w.PICKLE
         endpoint.on_lost = self._lost
         endpoint.key = key
         endpoint.me = rank  # what a keyed message's MAC must be made for
@@ -277,17 +292,13 @@ class Core:
             self.dropped["malformed"] += 1
             return None
         kind, src, gid, seq, rnd, op, root, _, _, _ = m
-        if gid != self.group_id:
-            self.dropped["other_group"] += 1
-            return None
-        if not 0 <= src < self.size or src == self.rank:
-            self.dropped["bad_src"] += 1
+        if gid != self.group_id or src not in self._peers:
+            self.dropped["other_group" if gid != self.group_id else "bad_src"] += 1
             return None
         self.received += 1
         k = kind
-        if k == w.COLL:
-            a = self.active
-            if seq < self.seq - (a is not None and a[1] >= 0):
+        if k == _COLL:
+            if seq < self._floor:
                 past = self._recent[seq % RECENT]
                 if past[0] == seq and (op != past[1] or root != past[2]):
                     self._late_mismatch(m, past)
@@ -308,7 +319,7 @@ class Core:
                 # it came first, being of an earlier seq) until it has caught up
                 self.paused.add(src)
                 self.ep.pause(src)
-            if a is not None and seq == a[1] and (op != a[2] or root != a[3]):
+            if seq == self._cur_seq and (op, root) != self._cur_call:
                 self._set_mismatch(m)
         elif k == w.P2P:
             # each sender numbers its point-to-point messages to this rank 1, 2, 3...: an
@@ -511,8 +522,9 @@ class Core:
             self.enter(name)  # raises: closed, broken, or busy
         self._owner = name
         self._holder = _get_ident()
-        seq = self.seq
+        seq = self._floor = self._cur_seq = self.seq
         self.seq = seq + 1
+        self._cur_call = (opcode, root)
         self.active = (name, seq, opcode, root)
         self._recent[seq % RECENT] = (seq, opcode, root)
         t = self.timeout if timeout is None else timeout
@@ -553,15 +565,13 @@ class Core:
                 if not recvs:
                     continue
                 self._probed = self._looked = False  # per step: its missing ranks are asked
+                want = set(zip(repeat(rnd), recvs))  # the mailbox keys this step waits for
                 while True:
                     if self.mismatch is not None:
                         raise self.mismatch
                     slot = box.get(seq)
-                    if slot:
-                        for s in recvs:
-                            if (rnd, s) not in slot:
-                                break
-                        else:
+                    if slot is not None:
+                        if slot.keys() >= want:
                             # all in: this step completed, even if the group broke meanwhile
                             # (an abort of a later call, read with its last message: the
                             # next step that must wait, or the next call, raises)
@@ -584,13 +594,15 @@ class Core:
                         self.pump()  # does what close() or abort() asked; raises if closed
                     ep.drain(self._sink)
                 held = self.held
+                unpickle = self._unpickle
                 for s in recvs:
                     m = slot.pop((rnd, s))
                     held[s] -= 1
-                    try:  # self._decode, without two calls for the usual codec
-                        reply[s] = _ploads(m.payload, buffers=m.buffers) \
-                            if m.codec == w.PICKLE and self._unpickle \
-                            else w.loads(m.payload, m.buffers, m.codec, self._unpickle)
+                    try:  # self._decode, without two calls for the usual codec (and with
+                        # m's payload, buffers and codec by index: cheaper than by name)
+                        reply[s] = _ploads(m[8], buffers=m[9]) \
+                            if m[7] == _PICKLE and unpickle \
+                            else w.loads(m[8], m[9], m[7], unpickle)
                     except Exception as e:  # unpickling runs code: anything can come out
                         raise _undecodable(m, name, seq, e) from e
                 if self.paused:
@@ -630,6 +642,7 @@ class Core:
                 self.dropped["stale"] += len(left)
                 self._release([src for _, src in left])
             self.active = None
+            self._floor, self._cur_seq = seq + 1, -1
             self.mismatch = None
             self.waiting_for = _NONE_LOST
             self._owner = ""  # self.leave(), inline
@@ -653,15 +666,42 @@ class Core:
 
     def _post(self, sends: tuple[tuple[int, Any], ...], rnd: int, seq: int, opcode: int,
               root: int) -> None:
-        codec, key, ep = self.codec, self.key, self.ep
         obj = sends[0][1]
-        groups: Any = None
-        for _, o in sends:
-            if o is not obj:
-                break
-        else:  # one object for every destination (a single send, a root's result): the usual
-            groups = ((obj, [sends[0][0]] if len(sends) == 1 else [d for d, _ in sends]),)
-        if groups is None:  # one encoding per distinct object
+        each = False  # whether the destinations get different objects
+        if len(sends) == 1:  # a non-root's one send: the usual
+            dsts: Sequence[int] = (sends[0][0],)
+        else:
+            for _, o in sends:
+                if o is not obj:
+                    each = True
+                    break
+            dsts = [d for d, _ in sends]  # (else a root's result, the same for all)
+        if self._fast and not each and (type(obj) not in _BYTES or len(obj) < COPY_THRESHOLD):
+            # the usual message: a small object, pickled once (w.dumps' first pass, without
+            # its call) and framed with one pack; anything else, or a failure to pickle,
+            # goes the general way below, which pickles again and says what failed
+            try:
+                payload = _pdumps(obj, 5, buffer_callback=w._small_buffers_only)
+            except Exception:
+                payload = None
+            if payload is not None and len(payload) < COPY_THRESHOLD:
+                self.ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint (STREAM)
+                    dsts, _FAST2.pack(w.STREAM_MAGIC, 2, _HSIZE, len(payload), w.MAGIC,
+                                      w.VERSION, w.COLL, opcode, w.PICKLE, 0, self.rank,
+                                      self.group_id, seq, rnd, root, 0) + payload)
+                self.sent += len(sends)
+                return
+        self._post_encoded(sends, each, dsts, rnd, seq, opcode, root)
+
+    def _post_encoded(self, sends: tuple[tuple[int, Any], ...], each: bool,
+                      dsts: Sequence[int], rnd: int, seq: int, opcode: int, root: int) -> None:
+        """:meth:`_post`, the general way: the object of ``sends[0]`` to ``dsts``, or
+        (``each``) each object of ``sends`` to its destination, encoded once per object."""
+        codec, key, ep = self.codec, self.key, self.ep
+        groups: Any
+        if not each:
+            groups = ((sends[0][1], dsts),)
+        else:
             by_obj: dict[int, tuple[Any, list[int]]] = {}
             for dst, o in sends:
                 entry = by_obj.get(id(o))
@@ -670,7 +710,7 @@ class Core:
                 else:
                     entry[1].append(dst)
             groups = by_obj.values()
-        for obj, dsts in groups:
+        for obj, to in groups:
             try:
                 payload, bufs = w.dumps(obj, codec)
             except CodecError as e:
@@ -678,17 +718,17 @@ class Core:
             if bufs or len(payload) > MAX_PAYLOAD:
                 payload, bufs = self._sized(payload, bufs, opcode)
             if self._stream and not bufs and type(payload) is bytes \
-                    and len(payload) < COPY_THRESHOLD:  # the usual: one piece, framed at once
+                    and len(payload) < COPY_THRESHOLD:  # one piece, framed at once
                 ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint (STREAM)
-                    dsts, w.stream_message(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
-                                           root, codec, payload))
+                    to, w.stream_message(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
+                                         root, codec, payload))
             elif not key:
-                ep.send_many(dsts, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
-                                            root, codec, payload, bufs))
+                ep.send_many(to, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
+                                          root, codec, payload, bufs))
             else:  # each destination's MAC
-                self._send_signed(dsts, w.frames_for(dsts, w.COLL, self.rank, self.group_id,
-                                                     seq, rnd, opcode, root, codec, payload,
-                                                     bufs, key))
+                self._send_signed(to, w.frames_for(to, w.COLL, self.rank, self.group_id,
+                                                   seq, rnd, opcode, root, codec, payload,
+                                                   bufs, key))
         self.sent += len(sends)
 
     def _unsendable(self, e: CodecError, opcode: int) -> tuple[Any, tuple[Any, ...]]:

@@ -727,6 +727,9 @@ class TcpEndpoint:
         self.peers: dict[int, str] = {}
         self.conns: dict[int, _Conn] = {}  # by fd
         self.out: dict[int, _Conn] = {}  # by rank
+        # the sockets of self.out that are connected, with nothing queued: a message to one
+        # of these ranks is sent straight away (send_framed)
+        self.direct: dict[int, socket.socket] = {}
         self.on_lost = on_lost
         self.max_inbound = max_inbound
         self.inbound = 0
@@ -811,6 +814,7 @@ class TcpEndpoint:
             self._lose(c, f"cannot connect to {self.peers[dst]}: {os.strerror(err)}")
         else:
             self._register(c, select.EPOLLIN)  # readable only at EOF: the peer is gone
+            self.direct[dst] = s
         return c
 
     def send(self, dst: int, frames: Sequence[Any]) -> None:
@@ -820,7 +824,21 @@ class TcpEndpoint:
     def send_framed(self, dsts: Sequence[int], data: bytes) -> None:
         """Queue ``data``, a message in the stream framing already (:func:`w.stream_message`),
         for each of ``dsts``."""
-        self._send_to(dsts, [data], len(data))
+        direct = self.direct
+        for dst in dsts:
+            s = direct.get(dst)
+            if s is None:  # not connected yet, data queued, or lost: the general way
+                self._send_to((dst,), [data], len(data))
+                continue
+            try:
+                n = s.send(data)
+            except BlockingIOError:
+                n = 0
+            except OSError as e:
+                self._lose(self.out[dst], f"send failed: {e.strerror or e}")
+                continue
+            if n < len(data):
+                self._queue(self.out[dst], [data], n)
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""
@@ -879,6 +897,7 @@ class TcpEndpoint:
         c.pending.extend(views)
         c.backlog += size + PENDING_OVERHEAD * len(views)
         self.unflushed.add(c)
+        self.direct.pop(c.rank, None)  # type: ignore[arg-type]  # (outbound: a rank)
         self._register(c, select.EPOLLOUT | select.EPOLLIN)
 
     def _flush(self, c: _Conn) -> None:
@@ -903,6 +922,8 @@ class TcpEndpoint:
                     n = 0
         self.unflushed.discard(c)
         self._register(c, select.EPOLLIN)
+        if not c.connecting and c.rank is not None:
+            self.direct[c.rank] = c.sock
 
     def backlog(self, dst: int) -> int:
         """Bytes queued for ``dst`` that the kernel has not taken yet."""
@@ -934,6 +955,8 @@ class TcpEndpoint:
 
     def _drop_conn(self, c: _Conn) -> None:
         self.conns.pop(c.fd, None)
+        if not c.inbound and self.direct.get(c.rank) is c.sock:  # type: ignore[arg-type]
+            del self.direct[c.rank]  # type: ignore[arg-type]
         self.unflushed.discard(c)
         if c.events != -1:
             try:
@@ -985,13 +1008,12 @@ class TcpEndpoint:
                 c.rank = src
         return True
 
-    def drain(self, sink: Callable[[w.Message | None], int | None]) -> int:
+    def drain(self, sink: Callable[[w.Message | None], int | None]) -> None:
         """Handle every ready socket now; hand each whole message to ``sink``, decoded
         (``None`` for a malformed or unauthenticated one)."""
         if self._error is not None:  # met by an awaited wait's reader callback
             e, self._error = self._error, None
             raise e
-        n = 0
         lfds = self._lfds
         view, buf, key, me = self._rview, self._rbuf, self.key, self.me
         ready, self._ready = self._ready, None
@@ -1009,8 +1031,7 @@ class TcpEndpoint:
                 # read it, here rather than in a method: a root wakes with one ready
                 # socket per rank, and a call per socket is paid with caches its peers
                 # have emptied
-                dec = c.decoder
-                assert dec is not None
+                dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
                 recv_into = c.sock.recv_into
                 budget = 0
                 while budget < READ_BUDGET:
@@ -1031,7 +1052,6 @@ class TcpEndpoint:
                         self._count("malformed_stream")
                         self._drop_conn(c)
                         break
-                    n += len(msgs)
                     if c.rank is not None:
                         for m in msgs:
                             sink(m)
@@ -1065,7 +1085,6 @@ class TcpEndpoint:
                     continue
                 if not data:
                     self._lose(c, "connection closed")
-        return n
 
     def wait(self, timeout: float) -> None:
         """Sleep until a socket is ready, :meth:`wake` is called or ``timeout`` seconds pass."""
@@ -1206,6 +1225,7 @@ class TcpEndpoint:
         for c in list(self.conns.values()):
             if c not in left:
                 self._drop_conn(c)
+        self.direct.clear()
         self.lsock.close()
         if self.usock is not None:
             self.usock.close()

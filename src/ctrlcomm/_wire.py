@@ -448,6 +448,13 @@ PREFIX2 = _PREFIX[2]  # the prefix of the usual message: header and payload
 # that prefix and the header, read in one go by StreamDecoder.messages
 _FAST2 = struct.Struct(PREFIX2.format + HEADER.format[1:])
 _new_tuple = tuple.__new__
+# _FAST2 read with its constant parts as bytes: the stream prefix but the payload's length
+# (magic, 2 frames, the header's size), and the header's magic and version
+_FASTR = struct.Struct("<12sQ3s" + HEADER.format[4:])
+_FSIZE = _FASTR.size
+_LEAD = struct.pack("<2sHQ", STREAM_MAGIC, 2, HEADER.size)
+_MV = struct.pack("<2sB", MAGIC, VERSION)
+assert _FAST2.size == _FSIZE and HEADER.format.startswith("<2sB")
 
 
 def stream_message(kind: int, src: int, group_id: int, seq: int, rnd: int, op: int, root: int,
@@ -473,6 +480,7 @@ class StreamDecoder:
         self.max_message = max_message
         self._lens: tuple[int, ...] | None = None
         self._head = 0  # bytes of prefix for the current message
+        self._hmax = max_message - HEADER.size  # the largest payload of a usual message
         self.error: WireError | None = None
 
     def feed(self, data: bytes | memoryview) -> list[list[bytes]]:
@@ -509,24 +517,21 @@ class StreamDecoder:
         if key is None and not self.buf and self._lens is None and self.error is None:
             pos = 0
             out: list[Message | None] = []
-            fast, fsize, hsize = _FAST2, _FAST2.size, HEADER.size
-            hmax = self.max_message - hsize
-            while pos < end:
-                if end - pos < fsize:
-                    break
-                (smagic, n, a, b, magic, version, kind, op, codec, flags, src, gid, seq, rnd,
-                 root, nbuf) = fast.unpack_from(buf, pos)
-                p = pos + fsize
-                if smagic != STREAM_MAGIC or n != 2 or a != hsize or p + b > end or b > hmax \
-                        or magic != MAGIC or version != VERSION or kind not in KINDS \
+            hmax = self._hmax
+            while end - pos >= _FSIZE:
+                lead, b, mv, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf = \
+                    _FASTR.unpack_from(buf, pos)
+                p = pos + _FSIZE
+                pos = p + b
+                if lead != _LEAD or pos > end or b > hmax or mv != _MV or kind not in KINDS \
                         or codec not in CODECS or flags or nbuf:
                     break  # not the usual message: decode() says what is wrong with it
-                pos = p + b
                 # tuple.__new__: a Message without its Python-level __new__ (one per message)
                 out.append(_new_tuple(Message, (kind, src, gid, seq, rnd, op, root, codec,
                                                 buf[p:pos], ())))  # a copy of the payload
             else:
-                return out
+                if pos == end:
+                    return out
             # the rest the general way (what was decoded above is decoded again)
         with memoryview(buf) as view:
             return [decode_or_none(f, key, dst) for f in self.feed(view[:end])]
