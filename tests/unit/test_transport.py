@@ -1,0 +1,132 @@
+"""The TCP endpoint's straight sends, and the core's in-line framing of the usual message."""
+
+import pickle
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from ctrlcomm import _wire as w
+from ctrlcomm._core import Core
+from ctrlcomm._transport import TcpEndpoint
+
+
+def test_sends_queued_behind_a_full_socket_keep_their_order_and_go_straight_again(monkeypatch):
+    """A peer that does not read fills the kernel's buffers: what follows is queued, and
+    nothing may overtake it (a send straight to the socket while data waits in the queue
+    would interleave two messages' bytes). Once the queue has drained, sends go straight to
+    the socket again."""
+    monkeypatch.setenv("CTRLCOMM_LOCAL_SOCKETS", "0")  # plain TCP
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    ep = TcpEndpoint("127.0.0.1")
+    size, count = 16 * 1024, 400  # 6.4 MiB: more than loopback's buffers hold
+    peer = None
+    try:
+        ep.set_peers({1: f"tcp://127.0.0.1:{srv.getsockname()[1]}"})
+        ep.send_framed([1], struct.pack("<I", 0) + b"x" * (size - 4))
+        peer, _ = srv.accept()
+        deadline = time.monotonic() + 10
+        while ep.unflushed and time.monotonic() < deadline:  # connected, first one sent
+            ep.wait(0.05)
+            ep.drain(lambda m: None)
+        assert 1 in ep.direct
+        for i in range(1, count):
+            ep.send_framed([1], struct.pack("<I", i) + b"x" * (size - 4))
+        assert ep.unflushed and 1 not in ep.direct  # the kernel took only part of it
+
+        got = bytearray()
+
+        def read() -> None:
+            peer.settimeout(10)
+            while len(got) < (count + 1) * size:
+                data = peer.recv(1 << 20)
+                if not data:
+                    return
+                got.extend(data)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        while ep.unflushed and time.monotonic() < deadline:
+            ep.wait(0.05)
+            ep.drain(lambda m: None)
+        assert not ep.unflushed and 1 in ep.direct  # drained: straight sends again
+        ep.send_framed([1], struct.pack("<I", count) + b"x" * (size - 4))
+        reader.join(10)
+        assert not reader.is_alive()
+        assert [struct.unpack_from("<I", got, i * size)[0] for i in range(count + 1)] \
+            == list(range(count + 1))
+    finally:
+        ep.close()
+        srv.close()
+        if peer is not None:
+            peer.close()
+
+
+class Capture:
+    """An endpoint that keeps what is sent (the core's framing, without sockets)."""
+
+    STREAM = True
+    closed = False
+    unflushed: frozenset[int] = frozenset()
+
+    def __init__(self) -> None:
+        self.framed: list[tuple[list[int], bytes]] = []
+        self.many: list[tuple[list[int], list[bytes]]] = []
+        self.signed: list[tuple[int, list[bytes]]] = []
+
+    def send_framed(self, dsts, data):
+        self.framed.append((list(dsts), bytes(data)))
+
+    def send_many(self, dsts, frames):
+        self.many.append((list(dsts), [bytes(memoryview(f)) for f in frames]))
+
+    def send(self, dst, frames):
+        self.signed.append((dst, [bytes(memoryview(f)) for f in frames]))
+
+
+def _core(ep, key=None, codec=w.PICKLE):
+    return Core(name="t", rank=1, size=4, group_id=99, endpoint=ep, codec=codec, key=key,
+                timeout=5.0)
+
+
+@pytest.mark.parametrize("obj", [None, 7, (1, 2), {"a": 1, "b": "x" * 100}, b"y" * 60000])
+def test_the_usual_message_is_framed_in_line_as_stream_message_frames_it(obj):
+    ep = Capture()
+    core = _core(ep)
+    core._post(((0, obj),), 3, 12, 0x21, w.NO_ROOT)  # one destination
+    core._post(((0, obj), (2, obj), (3, obj)), 0, 13, 5, 2)  # one object to three
+    payload = pickle.dumps(obj, 5)
+    assert ep.framed == [
+        ([0], w.stream_message(w.COLL, 1, 99, 12, 3, 0x21, w.NO_ROOT, w.PICKLE, payload)),
+        ([0, 2, 3], w.stream_message(w.COLL, 1, 99, 13, 0, 5, 2, w.PICKLE, payload)),
+    ]
+    assert core.sent == 4
+    for _, data in ep.framed:  # and it reads back as that message
+        m, = w.StreamDecoder().messages(bytearray(data), len(data))
+        assert pickle.loads(m.payload) == obj and m.src == 1 and m.group_id == 99
+
+
+def test_what_is_not_the_usual_message_is_framed_the_general_way():
+    ep = Capture()
+    core = _core(ep)
+    big = b"z" * (1 << 20)  # out of band
+    core._post(((0, big),), 0, 1, 5, 0)
+    (dsts, frames), = ep.many
+    assert dsts == [0] and len(frames) == 3 and frames[2] == big
+    ep.many.clear()
+    core._post(((0, "a"), (2, "b"), (3, "a")), 0, 2, 5, 0)  # different objects: one each
+    got = {}
+    for dsts, data in ep.framed:
+        m, = w.StreamDecoder().messages(bytearray(data), len(data))
+        got.update(dict.fromkeys(dsts, pickle.loads(m.payload)))
+    assert got == {0: "a", 2: "b", 3: "a"} and len(ep.framed) == 2 and not ep.many
+    keyed = Capture()
+    core = _core(keyed, key=b"k" * 32)  # a MAC per destination: never framed in line
+    core._post(((0, 1), (2, 1)), 0, 3, 5, 0)
+    assert not keyed.framed and not keyed.many
+    assert [(d, w.decode(f, b"k" * 32, d).payload) for d, f in keyed.signed] \
+        == [(0, pickle.dumps(1, 5)), (2, pickle.dumps(1, 5))]
