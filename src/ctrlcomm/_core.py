@@ -142,10 +142,14 @@ _monotonic = time.monotonic
 _get_ident = threading.get_ident
 _ploads = w._ploads  # the usual payload is decoded in line (w.loads without its call)
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
-_pdumps = w._pdumps
-_COLL, _PICKLE = w.COLL, w.PICKLE
-_FAST2, _HSIZE = w._FAST2, w.HEADER.size  # the stream prefix and header, packed in one go
-_BYTES = (bytes, bytearray)  # large ones are taken out of band by w.dumps
+# what Core._post's in-line encoding and framing of the usual message use (w.dumps' and
+# w.stream_message's, without their calls)
+_pdumps, _small_buffers_only, _Large = w._pdumps, w._small_buffers_only, w._Large
+_OOB = w.OOB_THRESHOLD  # w.dumps' limit of a payload without out-of-band buffers
+_SMALL = min(_OOB, COPY_THRESHOLD)  # ... and of one framed in one piece
+_LARGE = object()  # _post's first pass found the object large: w.dumps_large encodes it
+_COLL, _PICKLE, _MAGIC, _VERSION = w.COLL, w.PICKLE, w.MAGIC, w.VERSION
+_STREAM_MAGIC, _FAST2, _HSIZE = w.STREAM_MAGIC, w._FAST2, w.HEADER.size
 
 
 class Core:
@@ -163,9 +167,9 @@ class Core:
         self.key = key
         self.timeout = timeout
         self.seq = 0  # next collective's sequence number
-        # the collective messages of a seq below this are stale: self.seq, or during a
-        # collective its seq (self.seq - 1)
-        self._floor = 0
+        # 1 during a collective, else 0: the collective messages of a seq below self.seq
+        # less this are stale (during a collective, those of its seq are not)
+        self._in_call = 0
         # the seq, and (opcode, root), of the collective in progress (-1: none): a message of
         # that seq with another opcode or root is a mismatch
         self._cur_seq = -1
@@ -298,7 +302,7 @@ class Core:
         self.received += 1
         k = kind
         if k == _COLL:
-            if seq < self._floor:
+            if seq < self.seq - self._in_call:
                 past = self._recent[seq % RECENT]
                 if past[0] == seq and (op != past[1] or root != past[2]):
                     self._late_mismatch(m, past)
@@ -522,7 +526,8 @@ class Core:
             self.enter(name)  # raises: closed, broken, or busy
         self._owner = name
         self._holder = _get_ident()
-        seq = self._floor = self._cur_seq = self.seq
+        seq = self._cur_seq = self.seq
+        self._in_call = 1
         self.seq = seq + 1
         self._cur_call = (opcode, root)
         self.active = (name, seq, opcode, root)
@@ -642,7 +647,7 @@ class Core:
                 self.dropped["stale"] += len(left)
                 self._release([src for _, src in left])
             self.active = None
-            self._floor, self._cur_seq = seq + 1, -1
+            self._in_call, self._cur_seq = 0, -1
             self.mismatch = None
             self.waiting_for = _NONE_LOST
             self._owner = ""  # self.leave(), inline
@@ -676,27 +681,40 @@ class Core:
                     each = True
                     break
             dsts = [d for d, _ in sends]  # (else a root's result, the same for all)
-        if self._fast and not each and (type(obj) not in _BYTES or len(obj) < COPY_THRESHOLD):
-            # the usual message: a small object, pickled once (w.dumps' first pass, without
-            # its call) and framed with one pack; anything else, or a failure to pickle,
-            # goes the general way below, which pickles again and says what failed
-            try:
-                payload = _pdumps(obj, 5, buffer_callback=w._small_buffers_only)
-            except Exception:
-                payload = None
-            if payload is not None and len(payload) < COPY_THRESHOLD:
-                self.ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint (STREAM)
-                    dsts, _FAST2.pack(w.STREAM_MAGIC, 2, _HSIZE, len(payload), w.MAGIC,
-                                      w.VERSION, w.COLL, opcode, w.PICKLE, 0, self.rank,
-                                      self.group_id, seq, rnd, root, 0) + payload)
-                self.sent += len(sends)
-                return
-        self._post_encoded(sends, each, dsts, rnd, seq, opcode, root)
+        enc: Any = None  # (None: encoded the general way, by w.dumps)
+        if self._fast and not each:
+            # the usual message, a small object, pickled (w.dumps' first pass, without its
+            # call) and framed with one pack; anything else goes on with what that pass found
+            t = type(obj)
+            if (t is not bytes and t is not bytearray) or len(obj) < _OOB:
+                try:
+                    payload = _pdumps(obj, 5, buffer_callback=_small_buffers_only)
+                except _Large:
+                    enc = _LARGE
+                except Exception as e:  # pickling runs user code: anything can come out
+                    enc = e
+                else:
+                    if len(payload) < _SMALL:
+                        self.ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint
+                            dsts, _FAST2.pack(_STREAM_MAGIC, 2, _HSIZE, len(payload), _MAGIC,
+                                              _VERSION, _COLL, opcode, _PICKLE, 0, self.rank,
+                                              self.group_id, seq, rnd, root, 0) + payload)
+                        self.sent += len(sends)
+                        return
+                    enc = (payload, ()) if len(payload) < _OOB else _LARGE
+            else:
+                enc = _LARGE
+        self._post_encoded(sends, each, dsts, rnd, seq, opcode, root, enc)
 
     def _post_encoded(self, sends: tuple[tuple[int, Any], ...], each: bool,
-                      dsts: Sequence[int], rnd: int, seq: int, opcode: int, root: int) -> None:
+                      dsts: Sequence[int], rnd: int, seq: int, opcode: int, root: int,
+                      enc: Any = None) -> None:
         """:meth:`_post`, the general way: the object of ``sends[0]`` to ``dsts``, or
-        (``each``) each object of ``sends`` to its destination, encoded once per object."""
+        (``each``) each object of ``sends`` to its destination, encoded once per object.
+        ``enc``: what _post's first pickling pass found of the one object (None: nothing),
+        so that it is not pickled again for nothing: its encoding (payload, buffers),
+        _LARGE (pickled again, large buffers out of band: w.dumps_large), or the exception
+        pickling raised."""
         codec, key, ep = self.codec, self.key, self.ep
         groups: Any
         if not each:
@@ -712,7 +730,14 @@ class Core:
             groups = by_obj.values()
         for obj, to in groups:
             try:
-                payload, bufs = w.dumps(obj, codec)
+                if enc is None:
+                    payload, bufs = w.dumps(obj, codec)
+                elif enc is _LARGE:
+                    payload, bufs = w.dumps_large(obj)
+                elif type(enc) is tuple:
+                    payload, bufs = enc
+                else:
+                    raise w.cannot_pickle(obj, enc) from enc
             except CodecError as e:
                 payload, bufs = self._unsendable(e, opcode)
             if bufs or len(payload) > MAX_PAYLOAD:

@@ -822,13 +822,18 @@ class TcpEndpoint:
         self.send_many((dst,), frames)
 
     def send_framed(self, dsts: Sequence[int], data: bytes) -> None:
-        """Queue ``data``, a message in the stream framing already (:func:`w.stream_message`),
-        for each of ``dsts``."""
+        """Send ``data``, a message in the stream framing already (:func:`w.stream_message`),
+        to each of ``dsts``: straight to a connected socket with nothing queued (what the
+        kernel does not take is queued), else the general way (:meth:`_send_to`)."""
         direct = self.direct
+        rest: list[int] | None = None  # not connected yet, data queued, or lost
         for dst in dsts:
             s = direct.get(dst)
-            if s is None:  # not connected yet, data queued, or lost: the general way
-                self._send_to((dst,), [data], len(data))
+            if s is None:
+                if rest is None:
+                    rest = [dst]
+                else:
+                    rest.append(dst)
                 continue
             try:
                 n = s.send(data)
@@ -839,6 +844,8 @@ class TcpEndpoint:
                 continue
             if n < len(data):
                 self._queue(self.out[dst], [data], n)
+        if rest is not None:
+            self._send_to(rest, [data], len(data))
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""

@@ -262,6 +262,32 @@ def _small_buffers_only(pb: pickle.PickleBuffer) -> bool:
     return True
 
 
+def dumps_large(obj: Any) -> tuple[Any, tuple[Any, ...]]:
+    """:func:`dumps` of a pickled object that is large, or holds something large (its first
+    pass gave 64 KiB or more, or met a large buffer, or it is large bytes): pickled again,
+    passing large buffers out of band (bytes and bytearray objects, which the pickler keeps
+    in band, wrapped; arrays that pickle as PickleBuffers through the callback)."""
+    bufs: list[Any] = []
+
+    def keep_large(pb: pickle.PickleBuffer) -> bool:
+        raw = pb.raw()
+        if raw.nbytes >= OOB_THRESHOLD:
+            bufs.append(raw)
+            return False
+        return True
+
+    try:
+        data = _pdumps(_wrap_large(obj), protocol=5, buffer_callback=keep_large)
+    except Exception as e:
+        raise cannot_pickle(obj, e) from e
+    return data, tuple(bufs)
+
+
+def cannot_pickle(obj: Any, e: Exception) -> CodecError:
+    """The error of ``obj`` that pickling raised ``e`` on (raised ``from e``)."""
+    return CodecError(f"cannot pickle {type(obj).__name__}: {e}")
+
+
 def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
     """Encode ``obj``: returns (payload, out-of-band buffers)."""
     if codec == PICKLE:
@@ -272,26 +298,10 @@ def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
             except _Large:
                 data = None
             except Exception as e:  # pickling runs user code: anything can come out
-                raise CodecError(f"cannot pickle {t.__name__}: {e}") from e
+                raise cannot_pickle(obj, e) from e
             if data is not None and len(data) < OOB_THRESHOLD:
                 return data, _NO_BUFS  # the usual control message: nothing large in it
-        # something large: pickle again, passing large buffers out of band (bytes and
-        # bytearray objects, which the pickler keeps in band, wrapped; arrays that pickle
-        # as PickleBuffers through the callback)
-        bufs: list[Any] = []
-
-        def keep_large(pb: pickle.PickleBuffer) -> bool:
-            raw = pb.raw()
-            if raw.nbytes >= OOB_THRESHOLD:
-                bufs.append(raw)
-                return False
-            return True
-
-        try:
-            data = _pdumps(_wrap_large(obj), protocol=5, buffer_callback=keep_large)
-        except Exception as e:
-            raise CodecError(f"cannot pickle {t.__name__}: {e}") from e
-        return data, tuple(bufs)
+        return dumps_large(obj)
     if codec == MSGPACK:
         from . import _msgpack
 
@@ -480,7 +490,6 @@ class StreamDecoder:
         self.max_message = max_message
         self._lens: tuple[int, ...] | None = None
         self._head = 0  # bytes of prefix for the current message
-        self._hmax = max_message - HEADER.size  # the largest payload of a usual message
         self.error: WireError | None = None
 
     def feed(self, data: bytes | memoryview) -> list[list[bytes]]:
@@ -517,7 +526,7 @@ class StreamDecoder:
         if key is None and not self.buf and self._lens is None and self.error is None:
             pos = 0
             out: list[Message | None] = []
-            hmax = self._hmax
+            hmax = self.max_message - HEADER.size
             while end - pos >= _FSIZE:
                 lead, b, mv, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf = \
                     _FASTR.unpack_from(buf, pos)

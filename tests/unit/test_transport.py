@@ -130,3 +130,48 @@ def test_what_is_not_the_usual_message_is_framed_the_general_way():
     assert not keyed.framed and not keyed.many
     assert [(d, w.decode(f, b"k" * 32, d).payload) for d, f in keyed.signed] \
         == [(0, pickle.dumps(1, 5)), (2, pickle.dumps(1, 5))]
+
+
+class Counted:
+    """Counts how often it is pickled; pickles to ``size`` ints, or fails."""
+
+    calls = 0
+
+    def __init__(self, size, fail=False):
+        self.size, self.fail = size, fail
+
+    def __reduce__(self):
+        Counted.calls += 1
+        if self.fail:
+            raise ValueError("not today")
+        return list, ([7] * self.size,)
+
+
+@pytest.mark.parametrize(("size", "fail", "passes"), [
+    (10, False, 1),  # the usual message: one pass, framed in line
+    (100_000, False, 2),  # large: the first pass says so, the second takes it out of band
+    (10, True, 1),  # cannot be pickled: said at once
+], ids=["small", "large", "failing"])
+def test_an_object_is_pickled_no_more_often_than_the_general_way_pickles_it(size, fail,
+                                                                           passes):
+    """(Pickling runs user code, and costs: the in-line path goes on with what its pass
+    found, it does not start again.)"""
+    from ctrlcomm import CodecError
+
+    ep = Capture()
+    core = _core(ep)
+    Counted.calls = 0
+    if fail:
+        with pytest.raises(CodecError, match="cannot pickle Counted: not today"):
+            core._post(((0, Counted(size, fail)),), 0, 1, 5, 0)
+    else:
+        core._post(((0, Counted(size)),), 0, 1, 5, 0)
+        sent = [data for _, data in ep.framed] + [b"".join(f) for _, f in ep.many]
+        assert len(sent) == 1 and len(sent[0]) > 8 * min(size, 8000)
+    assert Counted.calls == passes
+    Counted.calls = 0
+    try:
+        w.dumps(Counted(size, fail), w.PICKLE)  # the general way, for comparison
+    except CodecError:
+        pass
+    assert Counted.calls == passes
