@@ -142,12 +142,8 @@ _monotonic = time.monotonic
 _get_ident = threading.get_ident
 _ploads = w._ploads  # the usual payload is decoded in line (w.loads without its call)
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
-# what Core._post's in-line encoding and framing of the usual message use (w.dumps' and
-# w.stream_message's, without their calls)
-_pdumps, _small_buffers_only, _Large = w._pdumps, w._small_buffers_only, w._Large
-_OOB = w.OOB_THRESHOLD  # w.dumps' limit of a payload without out-of-band buffers
-_SMALL = min(_OOB, COPY_THRESHOLD)  # ... and of one framed in one piece
-_LARGE = object()  # _post's first pass found the object large: w.dumps_large encodes it
+# what Core._post's encoding and in-line framing of the usual message use
+_first_pass = w.first_pass
 _COLL, _PICKLE, _MAGIC, _VERSION = w.COLL, w.PICKLE, w.MAGIC, w.VERSION
 _STREAM_MAGIC, _FAST2, _HSIZE = w.STREAM_MAGIC, w._FAST2, w.HEADER.size
 
@@ -683,27 +679,21 @@ class Core:
             dsts = [d for d, _ in sends]  # (else a root's result, the same for all)
         enc: Any = None  # (None: encoded the general way, by w.dumps)
         if self._fast and not each:
-            # the usual message, a small object, pickled (w.dumps' first pass, without its
-            # call) and framed with one pack; anything else goes on with what that pass found
-            t = type(obj)
-            if (t is not bytes and t is not bytearray) or len(obj) < _OOB:
-                try:
-                    payload = _pdumps(obj, 5, buffer_callback=_small_buffers_only)
-                except _Large:
-                    enc = _LARGE
-                except Exception as e:  # pickling runs user code: anything can come out
-                    enc = e
-                else:
-                    if len(payload) < _SMALL:
-                        self.ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint
-                            dsts, _FAST2.pack(_STREAM_MAGIC, 2, _HSIZE, len(payload), _MAGIC,
-                                              _VERSION, _COLL, opcode, _PICKLE, 0, self.rank,
-                                              self.group_id, seq, rnd, root, 0) + payload)
-                        self.sent += len(sends)
-                        return
-                    enc = (payload, ()) if len(payload) < _OOB else _LARGE
+            # the usual message, a small object, pickled (w.dumps' first pass) and framed
+            # with one pack (w.stream_message's, without its call); anything else goes on
+            # with what that pass found
+            payload = _first_pass(obj)
+            if type(payload) is bytes:
+                if len(payload) < COPY_THRESHOLD:
+                    self.ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint
+                        dsts, _FAST2.pack(_STREAM_MAGIC, 2, _HSIZE, len(payload), _MAGIC,
+                                          _VERSION, _COLL, opcode, _PICKLE, 0, self.rank,
+                                          self.group_id, seq, rnd, root, 0) + payload)
+                    self.sent += len(sends)
+                    return
+                enc = (payload, ())
             else:
-                enc = _LARGE
+                enc = payload  # w.LARGE, or the exception pickling raised
         self._post_encoded(sends, each, dsts, rnd, seq, opcode, root, enc)
 
     def _post_encoded(self, sends: tuple[tuple[int, Any], ...], each: bool,
@@ -713,7 +703,7 @@ class Core:
         (``each``) each object of ``sends`` to its destination, encoded once per object.
         ``enc``: what _post's first pickling pass found of the one object (None: nothing),
         so that it is not pickled again for nothing: its encoding (payload, buffers),
-        _LARGE (pickled again, large buffers out of band: w.dumps_large), or the exception
+        w.LARGE (pickled again, large buffers out of band: w.dumps_large), or the exception
         pickling raised."""
         codec, key, ep = self.codec, self.key, self.ep
         groups: Any
@@ -732,7 +722,7 @@ class Core:
             try:
                 if enc is None:
                     payload, bufs = w.dumps(obj, codec)
-                elif enc is _LARGE:
+                elif enc is w.LARGE:
                     payload, bufs = w.dumps_large(obj)
                 elif type(enc) is tuple:
                     payload, bufs = enc

@@ -288,20 +288,36 @@ def cannot_pickle(obj: Any, e: Exception) -> CodecError:
     return CodecError(f"cannot pickle {type(obj).__name__}: {e}")
 
 
+LARGE = object()  # what first_pass says of a large object
+
+
+def first_pass(obj: Any) -> Any:
+    """Pickle ``obj`` if it is small, with nothing large in it: its pickle (bytes, under
+    64 KiB: the usual control message, all :func:`dumps` makes of it), :data:`LARGE` (it
+    is large, or holds something large: :func:`dumps_large` encodes it), or the exception
+    pickling raised (:func:`cannot_pickle` says it). (For a caller that goes on with what
+    the pass found: nothing is pickled more often than by :func:`dumps`.)"""
+    t = type(obj)
+    if (t is bytes or t is bytearray) and len(obj) >= OOB_THRESHOLD:
+        return LARGE
+    try:
+        data = _pdumps(obj, 5, buffer_callback=_small_buffers_only)
+    except _Large:
+        return LARGE
+    except Exception as e:  # pickling runs user code: anything can come out
+        return e
+    return data if len(data) < OOB_THRESHOLD else LARGE
+
+
 def dumps(obj: Any, codec: int) -> tuple[Any, tuple[Any, ...]]:
     """Encode ``obj``: returns (payload, out-of-band buffers)."""
     if codec == PICKLE:
-        t = type(obj)
-        if (t is not bytes and t is not bytearray) or len(obj) < OOB_THRESHOLD:
-            try:
-                data = _pdumps(obj, 5, buffer_callback=_small_buffers_only)
-            except _Large:
-                data = None
-            except Exception as e:  # pickling runs user code: anything can come out
-                raise cannot_pickle(obj, e) from e
-            if data is not None and len(data) < OOB_THRESHOLD:
-                return data, _NO_BUFS  # the usual control message: nothing large in it
-        return dumps_large(obj)
+        data = first_pass(obj)
+        if type(data) is bytes:
+            return data, _NO_BUFS
+        if data is LARGE:
+            return dumps_large(obj)
+        raise cannot_pickle(obj, data) from data
     if codec == MSGPACK:
         from . import _msgpack
 
