@@ -142,10 +142,8 @@ _monotonic = time.monotonic
 _get_ident = threading.get_ident
 _ploads = w._ploads  # the usual payload is decoded in line (w.loads without its call)
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
-# what Core._post's encoding and in-line framing of the usual message use
-_first_pass = w.first_pass
-_COLL, _PICKLE, _MAGIC, _VERSION = w.COLL, w.PICKLE, w.MAGIC, w.VERSION
-_STREAM_MAGIC, _FAST2, _HSIZE = w.STREAM_MAGIC, w._FAST2, w.HEADER.size
+_first_pass = w.first_pass  # the usual object's encoding (Core._post)
+_COLL, _PICKLE = w.COLL, w.PICKLE
 
 
 class Core:
@@ -163,11 +161,9 @@ class Core:
         self.key = key
         self.timeout = timeout
         self.seq = 0  # next collective's sequence number
-        # 1 during a collective, else 0: the collective messages of a seq below self.seq
-        # less this are stale (during a collective, those of its seq are not)
-        self._in_call = 0
         # the seq, and (opcode, root), of the collective in progress (-1: none): a message of
-        # that seq with another opcode or root is a mismatch
+        # that seq with another opcode or root is a mismatch, and one of an earlier seq (of
+        # a seq below self.seq when there is none) is stale
         self._cur_seq = -1
         self._cur_call = (0, 0)
         self._peers = frozenset(range(size)) - {rank}  # the ranks a message may come from
@@ -298,7 +294,7 @@ class Core:
         self.received += 1
         k = kind
         if k == _COLL:
-            if seq < self.seq - self._in_call:
+            if seq < self.seq - (self._cur_seq >= 0):
                 past = self._recent[seq % RECENT]
                 if past[0] == seq and (op != past[1] or root != past[2]):
                     self._late_mismatch(m, past)
@@ -523,7 +519,6 @@ class Core:
         self._owner = name
         self._holder = _get_ident()
         seq = self._cur_seq = self.seq
-        self._in_call = 1
         self.seq = seq + 1
         self._cur_call = (opcode, root)
         self.active = (name, seq, opcode, root)
@@ -643,7 +638,7 @@ class Core:
                 self.dropped["stale"] += len(left)
                 self._release([src for _, src in left])
             self.active = None
-            self._in_call, self._cur_seq = 0, -1
+            self._cur_seq = -1
             self.mismatch = None
             self.waiting_for = _NONE_LOST
             self._owner = ""  # self.leave(), inline
@@ -679,16 +674,14 @@ class Core:
             dsts = [d for d, _ in sends]  # (else a root's result, the same for all)
         enc: Any = None  # (None: encoded the general way, by w.dumps)
         if self._fast and not each:
-            # the usual message, a small object, pickled (w.dumps' first pass) and framed
-            # with one pack (w.stream_message's, without its call); anything else goes on
-            # with what that pass found
+            # the usual message, a small object, pickled (w.dumps' first pass) and framed in
+            # one piece; anything else goes on with what that pass found
             payload = _first_pass(obj)
             if type(payload) is bytes:
                 if len(payload) < COPY_THRESHOLD:
                     self.ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint
-                        dsts, _FAST2.pack(_STREAM_MAGIC, 2, _HSIZE, len(payload), _MAGIC,
-                                          _VERSION, _COLL, opcode, _PICKLE, 0, self.rank,
-                                          self.group_id, seq, rnd, root, 0) + payload)
+                        dsts, w.stream_message(_COLL, self.rank, self.group_id, seq, rnd,
+                                               opcode, root, _PICKLE, payload))
                     self.sent += len(sends)
                     return
                 enc = (payload, ())

@@ -822,30 +822,9 @@ class TcpEndpoint:
         self.send_many((dst,), frames)
 
     def send_framed(self, dsts: Sequence[int], data: bytes) -> None:
-        """Send ``data``, a message in the stream framing already (:func:`w.stream_message`),
-        to each of ``dsts``: straight to a connected socket with nothing queued (what the
-        kernel does not take is queued), else the general way (:meth:`_send_to`)."""
-        direct = self.direct
-        rest: list[int] | None = None  # not connected yet, data queued, or lost
-        for dst in dsts:
-            s = direct.get(dst)
-            if s is None:
-                if rest is None:
-                    rest = [dst]
-                else:
-                    rest.append(dst)
-                continue
-            try:
-                n = s.send(data)
-            except BlockingIOError:
-                n = 0
-            except OSError as e:
-                self._lose(self.out[dst], f"send failed: {e.strerror or e}")
-                continue
-            if n < len(data):
-                self._queue(self.out[dst], [data], n)
-        if rest is not None:
-            self._send_to(rest, [data], len(data))
+        """Queue ``data``, a message in the stream framing already (:func:`w.stream_message`),
+        for each of ``dsts``."""
+        self._send_to(dsts, [data], len(data))
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""
@@ -866,27 +845,31 @@ class TcpEndpoint:
     def _send_to(self, dsts: Sequence[int], parts: list[Any], total: int) -> None:
         """Send one message, ``parts`` of ``total`` bytes, to each of ``dsts``: what the
         kernel takes at once, the rest queued. (The loop is here, not around a call per
-        destination: a root's fan-out has one per rank.)"""
-        out = self.out
+        destination: a root's fan-out has one per rank.) A connected socket with nothing
+        queued (:attr:`direct`, the usual) is sent on without looking at its connection."""
+        out, direct = self.out, self.direct
         one = parts[0] if len(parts) == 1 else None
         for dst in dsts:
-            c = out.get(dst)
-            if c is None:
-                c = self._connect(dst)
-            if c.sock.fileno() < 0:  # lost: the core already knows
-                continue
-            if c.pending or c.connecting:
-                self._queue(c, parts, 0)  # (it asks epoll to say when the socket takes more)
-                continue
+            s = direct.get(dst)
+            if s is None:
+                c = out.get(dst)
+                if c is None:
+                    c = self._connect(dst)
+                if c.sock.fileno() < 0:  # lost: the core already knows
+                    continue
+                if c.pending or c.connecting:
+                    self._queue(c, parts, 0)  # (it asks epoll to say when it takes more)
+                    continue
+                s = c.sock
             try:
-                n = c.sock.send(one) if one is not None else c.sock.sendmsg(parts)
+                n = s.send(one) if one is not None else s.sendmsg(parts)
             except BlockingIOError:
                 n = 0
             except OSError as e:
-                self._lose(c, f"send failed: {e.strerror or e}")
+                self._lose(out[dst], f"send failed: {e.strerror or e}")
                 continue
             if n < total:
-                self._queue(c, parts, n)
+                self._queue(out[dst], parts, n)
 
     def _queue(self, c: _Conn, parts: list[Any], skip: int) -> None:
         """Queue ``parts`` but their first ``skip`` bytes (already sent) for ``c``."""

@@ -1,4 +1,4 @@
-"""The TCP endpoint's straight sends, and the core's in-line framing of the usual message."""
+"""The TCP endpoint's straight sends, and the core's framing of the usual message."""
 
 import pickle
 import socket
@@ -94,7 +94,7 @@ def _core(ep, key=None, codec=w.PICKLE):
 
 
 @pytest.mark.parametrize("obj", [None, 7, (1, 2), {"a": 1, "b": "x" * 100}, b"y" * 60000])
-def test_the_usual_message_is_framed_in_line_as_stream_message_frames_it(obj):
+def test_the_usual_message_is_framed_in_one_piece_as_stream_message_frames_it(obj):
     ep = Capture()
     core = _core(ep)
     core._post(((0, obj),), 3, 12, 0x21, w.NO_ROOT)  # one destination
