@@ -460,20 +460,38 @@ def _bench_child(rank: int, n: int, system: str, cfg: dict[str, Any], q: Any) ->
 
 
 class _Progress:
+    """The bar on ``stream``: redrawn in place (``\\r``) on a terminal; elsewhere (a log file,
+    a pipe, CI) a line at each tenth of the way and at the end, not a redraw per step."""
+
     def __init__(self, total: int, stream: Any = sys.stderr) -> None:
         self.total, self.done, self.stream = total, 0, stream
+        try:
+            self.tty = bool(stream.isatty())
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            self.tty = False
+        self.shown = 0  # (not a terminal) tenths of the way already written
 
     def step(self, label: str) -> None:
+        """One more (op, size) of a system has finished: ``label`` names it."""
         self.done += 1
-        width = 30
-        filled = int(width * self.done / max(self.total, 1))
-        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
-                          f"{self.done}/{self.total} {label:<40}")
+        total = max(self.total, 1)
+        if self.tty:
+            width = 30
+            filled = int(width * min(self.done, total) / total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                              f"{self.done}/{self.total} done: {label:<40}")
+        else:
+            tenth = min(self.done, total) * 10 // total
+            if tenth <= self.shown and self.done != self.total:
+                return
+            self.shown = tenth
+            self.stream.write(f"bench: {self.done}/{self.total} done (last: {label.strip()})\n")
         self.stream.flush()
 
     def end(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def each_rank_failure(e: Exception) -> str:

@@ -779,3 +779,45 @@ def test_bench_multihost_rank_other_than_0_neither_checks_nor_writes_json_or_plo
                                  "--rank", "0"]}, timeout=90)
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "ignoring them" in outs[0][1] and (tmp_path / "r.json").exists()
+
+
+class _Stream:
+    def __init__(self, tty):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_the_progress_bar_redraws_on_a_terminal_and_writes_a_line_per_tenth_elsewhere():
+    from ctrlcomm._bench import _Progress
+
+    log = _Stream(tty=False)  # a pipe, a log file, CI
+    bar = _Progress(37, log)
+    for i in range(37):
+        bar.step(f"ctrlcomm N=2 op{i} ")
+    bar.end()
+    assert "\r" not in log.text
+    lines = log.text.splitlines()
+    assert len(lines) == 10  # each tenth of the way, the last at 37/37
+    assert lines[-1] == "bench: 37/37 done (last: ctrlcomm N=2 op36)"
+    assert lines[0] == "bench: 4/37 done (last: ctrlcomm N=2 op3)"  # 4/37 >= 1/10
+
+    term = _Stream(tty=True)
+    bar = _Progress(3, term)
+    for i in range(3):
+        bar.step(f"store N=4 op{i}")
+    bar.end()
+    assert term.text.count("\r") == 3 and term.text.endswith("\n")
+    assert "3/3 done: store N=4 op2" in term.text
+
+    bare = _Progress(2, object.__new__(type("S", (), {"write": lambda s, t: None,
+                                                      "flush": lambda s: None})))
+    bare.step("x")  # a stream without isatty is not a terminal
+    assert bare.tty is False
