@@ -32,6 +32,7 @@ rejected before a seq number is taken, so they leave the group open too.
 from __future__ import annotations
 
 import math
+import select
 import threading
 import time
 from collections import Counter, deque
@@ -144,6 +145,12 @@ _ploads = w._ploads  # the usual payload is decoded in line (w.loads without its
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
 _first_pass = w.first_pass  # the usual object's encoding (Core._post)
 _COLL, _PICKLE = w.COLL, w.PICKLE
+_EXPRESS = w.EXPRESS.unpack_from
+_EXPRESS_LEAD = w.EXPRESS_LEAD
+_EXPRESS_SIZE = w.EXPRESS.size
+_HEAD = w.HEADER.pack
+_MAGIC, _VERSION = w.MAGIC, w.VERSION
+_EPOLLIN = select.EPOLLIN
 
 
 class Core:
@@ -219,6 +226,8 @@ class Core:
         self._stream = endpoint.STREAM and not key
         # ... and, pickled, the usual small object is framed in line (Core._post)
         self._fast = self._stream and codec == w.PICKLE
+        # ... and read from its sender's socket in line (Core._express)
+        self._xp = self._fast and isinstance(endpoint, TcpEndpoint)
         endpoint.on_lost = self._lost
         endpoint.key = key
         endpoint.me = rank  # what a keyed message's MAC must be made for
@@ -542,6 +551,7 @@ class Core:
             gen = call.plan(self.ctx, *call.args)
             send = gen.send
             reply: dict[int, Any] | None = None
+            recvs: Sequence[int]
             while True:
                 try:
                     rnd, sends, recvs = send(reply)  # type: ignore[arg-type]
@@ -561,6 +571,13 @@ class Core:
                 if not recvs:
                     continue
                 self._probed = self._looked = False  # per step: its missing ranks are asked
+                if self._xp and not box.get(seq) and not self.paused:
+                    # the usual step: each message read straight from its sender's socket
+                    # (what is left, or anything unusual, the general way below)
+                    recvs = yield from self._express(recvs, reply, seq, rnd, opcode, root,
+                                                     probe_at, name)
+                    if not recvs:
+                        continue
                 want = set(zip(repeat(rnd), recvs))  # the mailbox keys this step waits for
                 while True:
                     if self.mismatch is not None:
@@ -645,6 +662,82 @@ class Core:
             self._lock.release()
             if self._deferred:  # asked for while this call held the group
                 self._run_deferred_unlocked()
+
+    def _express(self, recvs: tuple[int, ...], reply: dict[int, Any], seq: int, rnd: int,
+                 opcode: int, root: int, probe_at: float, name: str
+                 ) -> Generator[float, None, Sequence[int]]:
+        """Receive a step's messages the short way: wait, then read each ready sender's
+        socket, and where a read holds exactly the message expected (this call's seq and
+        step, the sender's rank, opcode and root, pickled, nothing more) unpickle it into
+        ``reply`` without the decoder or the mailbox. Returns the senders still to receive
+        from, the general way (Core.collective), which takes over at the first thing this
+        path does not handle: a read that holds anything else (handed to the sink as drain
+        would), a ready descriptor that is not an expected sender's, a peer lost or
+        suspect, a deadline or probe due, an abort or close asked for, a mismatch."""
+        ep: TcpEndpoint = self.ep  # type: ignore[assignment]  # (self._xp: a TcpEndpoint)
+        conns = ep.conns
+        left = list(recvs)
+        view, buf = ep._rview, ep._rbuf
+        gid = self.group_id
+        while True:
+            if self.mismatch is not None or self.state != "open" or self.gone \
+                    or self.suspects or self._deferred or ep.closed or ep._error is not None:
+                return left
+            now = _monotonic()
+            if now >= probe_at or now >= self._live_until:
+                return left
+            self.waiting_for = left
+            yield min(probe_at, self._live_until) - now
+            ready = ep._ready
+            if not ready:
+                if ready is None:  # the wait timed out (or ended by its timer): look again
+                    continue
+                return left  # read already (an awaited wait's callback): in the mailbox
+            ep._ready = None
+            for i, (fd, ev) in enumerate(ready):
+                c = conns.get(fd)
+                # (a connection in error is dropped, out of conns, at once: no decoder here
+                # holds an error)
+                if ev != _EPOLLIN or c is None or not c.inbound or c.rank not in left \
+                        or c.paused or c.decoder.buf or c.decoder._lens is not None:  # type: ignore[union-attr]
+                    ep._ready = ready[i:]  # not what this path reads: drain reads them
+                    return left
+                s = c.rank
+                try:
+                    got = c.sock.recv_into(view)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as e:
+                    ep._lose(c, f"connection failed: {e.strerror or e}")
+                    ep._ready = ready[i + 1:] or None
+                    return left
+                if got >= _EXPRESS_SIZE:
+                    lead, size, head = _EXPRESS(buf)
+                    end = _EXPRESS_SIZE + size
+                    if lead == _EXPRESS_LEAD and got >= end and \
+                            head == _HEAD(_MAGIC, _VERSION, _COLL, opcode, _PICKLE, 0, s, gid,
+                                          seq, rnd, root, 0):
+                        self.received += 1
+                        try:
+                            reply[s] = _ploads(view[_EXPRESS_SIZE:end])
+                        except Exception as e:  # unpickling runs code: anything can come out
+                            raise _undecodable(w.Message(_COLL, s, gid, seq, rnd, opcode, root),
+                                               name, seq, e) from e
+                        left.remove(s)
+                        if got == end:
+                            continue
+                        # more came behind it (a peer a call ahead, say): the general way
+                        ep.take(c, got, self._sink, end)
+                        ep._ready = ready[i + 1:] or None
+                        return left
+                if got == 0:
+                    ep._lose(c, "connection closed")
+                else:
+                    ep.take(c, got, self._sink)  # not the message expected
+                ep._ready = ready[i + 1:] or None
+                return left
+            if not left:
+                return left
 
     def _release(self, srcs: Sequence[int]) -> None:
         """One message of each of ``srcs`` left the mailbox."""

@@ -730,6 +730,8 @@ class TcpEndpoint:
         # the sockets of self.out that are connected, with nothing queued: a message to one
         # of these ranks is sent straight away (send_framed)
         self.direct: dict[int, socket.socket] = {}
+        # the connection each peer sends on, once its first message has said who it is
+        self.inbox: dict[int, _Conn] = {}
         self.on_lost = on_lost
         self.max_inbound = max_inbound
         self.inbound = 0
@@ -955,6 +957,8 @@ class TcpEndpoint:
                 pass
         if c.inbound:
             self.inbound -= 1
+            if c.rank is not None and self.inbox.get(c.rank) is c:
+                del self.inbox[c.rank]
         c.sock.close()
         c.pending.clear()
 
@@ -996,6 +1000,7 @@ class TcpEndpoint:
                     self._drop_conn(c)
                     return False
                 c.rank = src
+                self.inbox[src] = c
         return True
 
     def drain(self, sink: Callable[[w.Message | None], int | None]) -> None:
@@ -1075,6 +1080,26 @@ class TcpEndpoint:
                     continue
                 if not data:
                     self._lose(c, "connection closed")
+
+    def take(self, c: _Conn, got: int, sink: Callable[[w.Message | None], int | None],
+             start: int = 0) -> None:
+        """Hand what a read of ``c``, an identified inbound connection, put in the receive
+        buffer (its bytes ``start`` to ``got``) to ``sink``, the way :meth:`drain` does
+        (Core._express read it, expecting another message, or took a message from its
+        start)."""
+        dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
+        try:
+            msgs = dec.messages(self._rbuf, got, self.key, self.me) if not start else \
+                dec.messages(bytes(self._rview[start:got]), got - start, self.key, self.me)
+        except WireError:
+            self._count("malformed_stream")
+            self._drop_conn(c)
+            return
+        for m in msgs:
+            sink(m)
+        if dec.error is not None:
+            self._count("malformed_stream")
+            self._drop_conn(c)
 
     def wait(self, timeout: float) -> None:
         """Sleep until a socket is ready, :meth:`wake` is called or ``timeout`` seconds pass."""
@@ -1216,6 +1241,7 @@ class TcpEndpoint:
             if c not in left:
                 self._drop_conn(c)
         self.direct.clear()
+        self.inbox.clear()
         self.lsock.close()
         if self.usock is not None:
             self.usock.close()

@@ -1,0 +1,133 @@
+"""The short way a step's messages are read (Core._express): straight from the sender's
+socket when a read holds exactly the message a waiting rank expects, the general way
+(decoder, mailbox) for anything else. Real ranks, real sockets; each test arranges which
+way a message goes by when the ranks send, and checks what came out and which way it went
+(the general way hands each message to the core's sink: counted here)."""
+
+import time
+
+import pytest
+
+import ctrlcomm
+from ctrlcomm.testing import run_group
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def count_general(g):
+    """Count the messages the core takes the general way (its sink) from now on."""
+    core = g._core
+    seen = [0]
+    sink = core._sink
+
+    def counting(m):
+        seen[0] += 1
+        return sink(m)
+
+    core._sink = core.ep.sink = counting
+    return seen
+
+
+def waiting_receivers(g):
+    """Each call's receivers are waiting before its messages arrive (the senders sleep
+    first): every message is read the short way. Returns the results and, per call, how
+    many messages went the general way."""
+    for _ in range(3):  # (a rank's first wait looks at its peers' liveness the general way)
+        g.barrier()
+    seen = count_general(g)
+    out, general = [], []
+
+    def call(f):
+        before = seen[0]
+        out.append(f())
+        general.append(seen[0] - before)
+        g.barrier()
+
+    # broadcast: ranks 1 and 2 wait for the root
+    if g.rank == 0:
+        time.sleep(0.2)
+    call(lambda: g.broadcast({"cfg": [1, 2, 3]} if g.rank == 0 else None, src=0))
+    # all_reduce, a star at world 3: the root waits for both others, one after the other,
+    # and they wait for its result
+    if g.rank != 0:
+        time.sleep(0.15 * g.rank)
+    call(lambda: g.all_reduce((g.rank, 10 - g.rank), "max"))
+    # all_gather: rank 2 first, then the others together
+    if g.rank != 2:
+        time.sleep(0.2)
+    call(lambda: g.all_gather({"r": g.rank}))
+    return out, general
+
+
+def test_messages_that_arrive_while_a_rank_waits_are_read_the_short_way():
+    res = run_group(waiting_receivers, 3, timeout=60)
+    for r, (out, general) in enumerate(res):
+        assert out == [{"cfg": [1, 2, 3]}, (2, 10), [{"r": 0}, {"r": 1}, {"r": 2}]], (r, out)
+        # each message was read straight from its socket, none through the sink
+        assert general == [0, 0, 0], (r, general)
+
+
+def p2p_then_two_ahead(g):
+    seen = count_general(g)
+    if g.rank == 0:
+        g.send("p2p first", dst=1)  # arrives while rank 1 waits for the broadcast
+        time.sleep(0.3)
+        a = g.broadcast({"n": 1}, src=0)
+        b = g.broadcast({"n": 2}, src=0)  # both queued while rank 1 sleeps below
+        c = g.broadcast({"n": 3}, src=0)
+        big = g.broadcast(b"x" * (3 << 20), src=0)  # more than one read holds it
+        g.barrier()
+        return [a, b, c, len(big)], None, seen[0]
+    a = g.broadcast(None, src=0)
+    time.sleep(0.5)  # rank 0's next broadcasts reach the socket before this rank reads
+    b = g.broadcast(None, src=0)
+    c = g.broadcast(None, src=0)
+    big = g.broadcast(None, src=0)
+    g.barrier()
+    return [a, b, c, len(big)], g.recv(0), seen[0]
+
+
+def test_what_the_short_way_does_not_expect_goes_the_general_way_in_order():
+    res = run_group(p2p_then_two_ahead, 2, timeout=60)
+    want = [{"n": 1}, {"n": 2}, {"n": 3}, 3 << 20]
+    assert res[0][0] == want and res[1][0] == want, res
+    assert res[1][1] == "p2p first"
+    # the point-to-point message, the broadcasts read together, and the large one went
+    # the general way
+    assert res[1][2] >= 3, res
+
+
+def _refuse(text):
+    raise ValueError(text)
+
+
+class _Refused:
+    """Pickles; unpickling it raises."""
+
+    def __reduce__(self):
+        return (_refuse, ("not here",))
+
+
+def undecodable_while_waiting(g):
+    if g.rank == 0:
+        time.sleep(0.3)  # rank 1 waits for it: the short way reads it
+        g.broadcast(_Refused(), src=0)
+        try:
+            g.barrier(timeout=30)
+        except ctrlcomm.GroupBrokenError as e:
+            return type(e).__name__, str(e)
+        return "barrier returned", ""
+    try:
+        g.broadcast(None, src=0)
+    except ctrlcomm.CodecError as e:
+        return type(e).__name__, str(e), g.broken
+    return "returned", "", g.broken
+
+
+def test_an_object_read_the_short_way_that_cannot_be_decoded_breaks_the_group():
+    res = run_group(undecodable_while_waiting, 2, timeout=60)
+    kind, text, broken = res[1]
+    assert kind == "CodecError" and "cannot decode the object from rank 0" in text, res
+    assert "ValueError: not here" in text and broken
+    # and the root is told, not left waiting in its next call
+    assert res[0][0] == "PeerLostError" and "cannot decode the object from rank 0" in res[0][1]
