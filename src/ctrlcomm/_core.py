@@ -201,6 +201,13 @@ class Core:
         self.mismatch: MismatchError | None = None
         # this rank's object the current collective could not send (sent in its place)
         self._send_failed: _ops.Failed | None = None
+        # the step _express waits for: (senders left, reply, seq, round, opcode, root, name);
+        # an error its reads met in an awaited wait's callback; whether that callback
+        # handed anything to the sink (the general way takes over)
+        self._xstep: tuple[list[int], dict[int, Any], int, int, int, int, str] = \
+            ([], {}, -1, 0, 0, 0, "")
+        self._xerror: BaseException | None = None
+        self._xfell = False
         self._in_place = False  # whether the current collective can send a failure so
         self.last: tuple[str, int | None] = ("nothing yet", None)
         self._lock = threading.Lock()
@@ -669,75 +676,119 @@ class Core:
         """Receive a step's messages the short way: wait, then read each ready sender's
         socket, and where a read holds exactly the message expected (this call's seq and
         step, the sender's rank, opcode and root, pickled, nothing more) unpickle it into
-        ``reply`` without the decoder or the mailbox. Returns the senders still to receive
-        from, the general way (Core.collective), which takes over at the first thing this
-        path does not handle: a read that holds anything else (handed to the sink as drain
-        would), a ready descriptor that is not an expected sender's, a peer lost or
-        suspect, a deadline or probe due, an abort or close asked for, a mismatch."""
+        ``reply`` without the decoder or the mailbox (:meth:`_xtake`; an awaited wait's
+        reader callback runs it too, and wakes the call only when the step is complete or
+        something else came). Returns the senders still to receive from, the general way
+        (Core.collective), which takes over at the first thing this path does not handle: a
+        read that holds anything else (handed to the sink as drain would), a ready
+        descriptor that is not an expected sender's, a peer lost or suspect, a deadline or
+        probe due, an abort or close asked for, a mismatch."""
+        ep: TcpEndpoint = self.ep  # type: ignore[assignment]  # (self._xp: a TcpEndpoint)
+        left = list(recvs)
+        self._xstep = (left, reply, seq, rnd, opcode, root, name)
+        self._xfell = False
+        try:
+            while True:
+                if self.mismatch is not None or self.state != "open" or self.gone \
+                        or self.suspects or self._deferred or ep.closed \
+                        or ep._error is not None:
+                    return left
+                now = _monotonic()
+                if now >= probe_at or now >= self._live_until:
+                    return left
+                self.waiting_for = left
+                ep.xtake = self._xcallback  # (for an awaited wait's reader callback)
+                yield min(probe_at, self._live_until) - now
+                ep.xtake = None
+                e = self._xerror
+                if e is not None:
+                    self._xerror = None
+                    raise e
+                ready = ep._ready
+                if not ready:
+                    if ready is None:  # the wait timed out (or ended by its timer): again
+                        continue
+                    # read by an awaited wait's callback: the general way, if it took
+                    # anything that way, else what is left of the step, if anything
+                    if self._xfell:
+                        self._xfell = False
+                        return left
+                    if not left:
+                        return left
+                    continue
+                ep._ready = None
+                rest = self._xtake(ready)
+                if rest is not None:
+                    ep._ready = rest or None  # (drain reads them)
+                    return left
+                if not left:
+                    return left
+        finally:
+            ep.xtake = None
+
+    def _xcallback(self, ready: list[tuple[int, int]]) -> bool:
+        """:meth:`_xtake` for an awaited wait's reader callback: whether to wake the call
+        (its step is complete, or the general way must take over: the events it must still
+        see are left in the endpoint's ``_ready`` for drain; or an error, kept for the call
+        to raise)."""
+        try:
+            rest = self._xtake(ready)
+        except Exception as e:
+            self._xerror = e
+            return True
+        if rest is None:
+            return not self._xstep[0]
+        self._xfell = True
+        self.ep._ready = rest or None  # type: ignore[union-attr]  # (a TcpEndpoint)
+        return True
+
+    def _xtake(self, ready: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+        """Read the ``ready`` sockets of the step :meth:`_express` waits for
+        (``self._xstep``). None: all read the short way; else it met something the general
+        way must handle, and returns the events from there on that drain must still see."""
+        left, reply, seq, rnd, opcode, root, name = self._xstep
         ep: TcpEndpoint = self.ep  # type: ignore[assignment]  # (self._xp: a TcpEndpoint)
         conns = ep.conns
-        left = list(recvs)
-        view, buf = ep._rview, ep._rbuf
-        gid = self.group_id
-        while True:
-            if self.mismatch is not None or self.state != "open" or self.gone \
-                    or self.suspects or self._deferred or ep.closed or ep._error is not None:
-                return left
-            now = _monotonic()
-            if now >= probe_at or now >= self._live_until:
-                return left
-            self.waiting_for = left
-            yield min(probe_at, self._live_until) - now
-            ready = ep._ready
-            if not ready:
-                if ready is None:  # the wait timed out (or ended by its timer): look again
-                    continue
-                return left  # read already (an awaited wait's callback): in the mailbox
-            ep._ready = None
-            for i, (fd, ev) in enumerate(ready):
-                c = conns.get(fd)
-                # (a connection in error is dropped, out of conns, at once: no decoder here
-                # holds an error)
-                if ev != _EPOLLIN or c is None or not c.inbound or c.rank not in left \
-                        or c.paused or c.decoder.buf or c.decoder._lens is not None:  # type: ignore[union-attr]
-                    ep._ready = ready[i:]  # not what this path reads: drain reads them
-                    return left
-                s = c.rank
-                try:
-                    got = c.sock.recv_into(view)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError as e:
-                    ep._lose(c, f"connection failed: {e.strerror or e}")
-                    ep._ready = ready[i + 1:] or None
-                    return left
-                if got >= _EXPRESS_SIZE:
-                    lead, size, head = _EXPRESS(buf)
-                    end = _EXPRESS_SIZE + size
-                    if lead == _EXPRESS_LEAD and got >= end and \
-                            head == _HEAD(_MAGIC, _VERSION, _COLL, opcode, _PICKLE, 0, s, gid,
-                                          seq, rnd, root, 0):
-                        self.received += 1
-                        try:
-                            reply[s] = _ploads(view[_EXPRESS_SIZE:end])
-                        except Exception as e:  # unpickling runs code: anything can come out
-                            raise _undecodable(w.Message(_COLL, s, gid, seq, rnd, opcode, root),
-                                               name, seq, e) from e
-                        left.remove(s)
-                        if got == end:
-                            continue
-                        # more came behind it (a peer a call ahead, say): the general way
-                        ep.take(c, got, self._sink, end)
-                        ep._ready = ready[i + 1:] or None
-                        return left
-                if got == 0:
-                    ep._lose(c, "connection closed")
-                else:
-                    ep.take(c, got, self._sink)  # not the message expected
-                ep._ready = ready[i + 1:] or None
-                return left
-            if not left:
-                return left
+        buf = ep._rbuf
+        for i, (fd, ev) in enumerate(ready):
+            c = conns.get(fd)
+            # (a connection in error is dropped, out of conns, at once: no decoder here
+            # holds an error)
+            if ev != _EPOLLIN or c is None or not c.inbound or c.rank not in left \
+                    or c.paused or c.decoder.buf or c.decoder._lens is not None:  # type: ignore[union-attr]
+                return ready[i:]  # not what this path reads
+            s = c.rank
+            try:
+                got = c.sock.recv_into(buf)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as e:
+                ep._lose(c, f"connection failed: {e.strerror or e}")
+                return ready[i + 1:]
+            if got >= _EXPRESS_SIZE:
+                lead, size, head = _EXPRESS(buf)
+                end = _EXPRESS_SIZE + size
+                if lead == _EXPRESS_LEAD and got >= end and \
+                        head == _HEAD(_MAGIC, _VERSION, _COLL, opcode, _PICKLE, 0, s,
+                                      self.group_id, seq, rnd, root, 0):
+                    self.received += 1
+                    try:
+                        reply[s] = _ploads(ep._rview[_EXPRESS_SIZE:end])
+                    except Exception as e:  # unpickling runs code: anything can come out
+                        raise _undecodable(w.Message(_COLL, s, self.group_id, seq, rnd,
+                                                     opcode, root), name, seq, e) from e
+                    left.remove(s)
+                    if got == end:
+                        continue
+                    # more came behind it (a peer a call ahead, say): the general way
+                    ep.take(c, got, self._sink, end)
+                    return ready[i + 1:]
+            if got == 0:
+                ep._lose(c, "connection closed")
+            else:
+                ep.take(c, got, self._sink)  # not the message expected
+            return ready[i + 1:]
+        return None
 
     def _release(self, srcs: Sequence[int]) -> None:
         """One message of each of ``srcs`` left the mailbox."""

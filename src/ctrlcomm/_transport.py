@@ -730,8 +730,6 @@ class TcpEndpoint:
         # the sockets of self.out that are connected, with nothing queued: a message to one
         # of these ranks is sent straight away (send_framed)
         self.direct: dict[int, socket.socket] = {}
-        # the connection each peer sends on, once its first message has said who it is
-        self.inbox: dict[int, _Conn] = {}
         self.on_lost = on_lost
         self.max_inbound = max_inbound
         self.inbound = 0
@@ -752,6 +750,9 @@ class TcpEndpoint:
         # timer per wait costs a heap push and a cancelled entry in the loop's heap each
         self._timer: asyncio.TimerHandle | None = None
         self._error: Exception | None = None  # raised by the next drain (see _on_readable)
+        # what an awaited wait's reader callback hands the ready sockets to first, while
+        # the call reads the short way (Core._express): whether to wake the call
+        self.xtake: Callable[[list[tuple[int, int]]], bool] | None = None
         self._turn = 0.0  # when an awaited wait last went through the event loop
         _live.add(self)
 
@@ -957,8 +958,6 @@ class TcpEndpoint:
                 pass
         if c.inbound:
             self.inbound -= 1
-            if c.rank is not None and self.inbox.get(c.rank) is c:
-                del self.inbox[c.rank]
         c.sock.close()
         c.pending.clear()
 
@@ -1000,7 +999,6 @@ class TcpEndpoint:
                     self._drop_conn(c)
                     return False
                 c.rank = src
-                self.inbox[src] = c
         return True
 
     def drain(self, sink: Callable[[w.Message | None], int | None]) -> None:
@@ -1185,13 +1183,23 @@ class TcpEndpoint:
             ready = self.ep.poll(0)
             if not ready:  # read already (by the woken call): keep waiting
                 return
-            self._ready = ready
-            try:
-                self.drain(self.sink)
-            except Exception as e:  # not expected; the woken call's next drain raises it
-                self._error = e
+            xtake = self.xtake
+            if xtake is not None:
+                # the call reads what it expects (Core._express); the rest, if any, below
+                self._ready = None
+                if not xtake(ready):
+                    return  # its step is not complete yet: it sleeps on
             else:
-                self._ready = []  # read: the woken call need not ask epoll again
+                self._ready = ready
+            if self._ready:
+                try:
+                    self.drain(self.sink)
+                except Exception as e:  # not expected; the woken call's next drain raises it
+                    self._error = e
+                else:
+                    self._ready = []  # read: the woken call need not ask epoll again
+            else:
+                self._ready = []
             if fut.done():  # closed from another thread meanwhile
                 return
         fut.set_result(None)
@@ -1241,7 +1249,6 @@ class TcpEndpoint:
             if c not in left:
                 self._drop_conn(c)
         self.direct.clear()
-        self.inbox.clear()
         self.lsock.close()
         if self.usock is not None:
             self.usock.close()

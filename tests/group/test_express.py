@@ -4,6 +4,7 @@ socket when a read holds exactly the message a waiting rank expects, the general
 way a message goes by when the ranks send, and checks what came out and which way it went
 (the general way hands each message to the core's sink: counted here)."""
 
+import asyncio
 import time
 
 import pytest
@@ -28,67 +29,77 @@ def count_general(g):
     return seen
 
 
-def waiting_receivers(g):
+def waiting_receivers(g, awaited):
     """Each call's receivers are waiting before its messages arrive (the senders sleep
     first): every message is read the short way. Returns the results and, per call, how
-    many messages went the general way."""
+    many messages went the general way. ``awaited``: the calls through ``g.aio``."""
     for _ in range(3):  # (a rank's first wait looks at its peers' liveness the general way)
         g.barrier()
     seen = count_general(g)
     out, general = [], []
+    api = g.aio if awaited else g
 
     def call(f):
         before = seen[0]
-        out.append(f())
+        r = f()
+        out.append(asyncio.run(r) if awaited else r)
         general.append(seen[0] - before)
         g.barrier()
 
     # broadcast: ranks 1 and 2 wait for the root
     if g.rank == 0:
         time.sleep(0.2)
-    call(lambda: g.broadcast({"cfg": [1, 2, 3]} if g.rank == 0 else None, src=0))
+    call(lambda: api.broadcast({"cfg": [1, 2, 3]} if g.rank == 0 else None, src=0))
     # all_reduce, a star at world 3: the root waits for both others, one after the other,
     # and they wait for its result
     if g.rank != 0:
         time.sleep(0.15 * g.rank)
-    call(lambda: g.all_reduce((g.rank, 10 - g.rank), "max"))
+    call(lambda: api.all_reduce((g.rank, 10 - g.rank), "max"))
     # all_gather: rank 2 first, then the others together
     if g.rank != 2:
         time.sleep(0.2)
-    call(lambda: g.all_gather({"r": g.rank}))
+    call(lambda: api.all_gather({"r": g.rank}))
     return out, general
 
 
-def test_messages_that_arrive_while_a_rank_waits_are_read_the_short_way():
-    res = run_group(waiting_receivers, 3, timeout=60)
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_messages_that_arrive_while_a_rank_waits_are_read_the_short_way(awaited):
+    res = run_group(waiting_receivers, 3, awaited, timeout=60)
     for r, (out, general) in enumerate(res):
         assert out == [{"cfg": [1, 2, 3]}, (2, 10), [{"r": 0}, {"r": 1}, {"r": 2}]], (r, out)
         # each message was read straight from its socket, none through the sink
         assert general == [0, 0, 0], (r, general)
 
 
-def p2p_then_two_ahead(g):
+def p2p_then_two_ahead(g, awaited):
     seen = count_general(g)
+    if awaited:
+        def bcast(obj):
+            return asyncio.run(g.aio.broadcast(obj, src=0))
+    else:
+        def bcast(obj):
+            return g.broadcast(obj, src=0)
     if g.rank == 0:
         g.send("p2p first", dst=1)  # arrives while rank 1 waits for the broadcast
         time.sleep(0.3)
-        a = g.broadcast({"n": 1}, src=0)
-        b = g.broadcast({"n": 2}, src=0)  # both queued while rank 1 sleeps below
-        c = g.broadcast({"n": 3}, src=0)
-        big = g.broadcast(b"x" * (3 << 20), src=0)  # more than one read holds it
+        a = bcast({"n": 1})
+        b = bcast({"n": 2})  # both queued while rank 1 sleeps below
+        c = bcast({"n": 3})
+        big = bcast(b"x" * (3 << 20))  # more than one read holds it
         g.barrier()
         return [a, b, c, len(big)], None, seen[0]
-    a = g.broadcast(None, src=0)
+    a = bcast(None)
     time.sleep(0.5)  # rank 0's next broadcasts reach the socket before this rank reads
-    b = g.broadcast(None, src=0)
-    c = g.broadcast(None, src=0)
-    big = g.broadcast(None, src=0)
+    b = bcast(None)
+    c = bcast(None)
+    big = bcast(None)
     g.barrier()
     return [a, b, c, len(big)], g.recv(0), seen[0]
 
 
-def test_what_the_short_way_does_not_expect_goes_the_general_way_in_order():
-    res = run_group(p2p_then_two_ahead, 2, timeout=60)
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_what_the_short_way_does_not_expect_goes_the_general_way_in_order(awaited):
+    res = run_group(p2p_then_two_ahead, 2, awaited, timeout=60)
     want = [{"n": 1}, {"n": 2}, {"n": 3}, 3 << 20]
     assert res[0][0] == want and res[1][0] == want, res
     assert res[1][1] == "p2p first"
@@ -108,7 +119,7 @@ class _Refused:
         return (_refuse, ("not here",))
 
 
-def undecodable_while_waiting(g):
+def undecodable_while_waiting(g, awaited):
     if g.rank == 0:
         time.sleep(0.3)  # rank 1 waits for it: the short way reads it
         g.broadcast(_Refused(), src=0)
@@ -118,14 +129,18 @@ def undecodable_while_waiting(g):
             return type(e).__name__, str(e)
         return "barrier returned", ""
     try:
-        g.broadcast(None, src=0)
+        if awaited:
+            asyncio.run(g.aio.broadcast(None, src=0))
+        else:
+            g.broadcast(None, src=0)
     except ctrlcomm.CodecError as e:
         return type(e).__name__, str(e), g.broken
     return "returned", "", g.broken
 
 
-def test_an_object_read_the_short_way_that_cannot_be_decoded_breaks_the_group():
-    res = run_group(undecodable_while_waiting, 2, timeout=60)
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_an_object_read_the_short_way_that_cannot_be_decoded_breaks_the_group(awaited):
+    res = run_group(undecodable_while_waiting, 2, awaited, timeout=60)
     kind, text, broken = res[1]
     assert kind == "CodecError" and "cannot decode the object from rank 0" in text, res
     assert "ValueError: not here" in text and broken
