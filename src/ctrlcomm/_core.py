@@ -151,6 +151,7 @@ _EXPRESS_SIZE = w.EXPRESS.size
 _HEAD = w.HEADER.pack
 _MAGIC, _VERSION = w.MAGIC, w.VERSION
 _EPOLLIN = select.EPOLLIN
+_NO_STEP: tuple[dict[int, None], dict[int, Any], int, int, int, int] = ({}, {}, -1, 0, 0, 0)
 
 
 class Core:
@@ -204,8 +205,7 @@ class Core:
         # the step _express waits for: (senders left, reply, seq, round, opcode, root, name);
         # an error its reads met in an awaited wait's callback; whether that callback
         # handed anything to the sink (the general way takes over)
-        self._xstep: tuple[list[int], dict[int, Any], int, int, int, int, str] = \
-            ([], {}, -1, 0, 0, 0, "")
+        self._xstep: tuple[dict[int, None], dict[int, Any], int, int, int, int] = _NO_STEP
         self._xerror: BaseException | None = None
         self._xfell = False
         self._in_place = False  # whether the current collective can send a failure so
@@ -585,6 +585,9 @@ class Core:
                                                      probe_at, name)
                     if not recvs:
                         continue
+                    # what made it stop, seen now (as after a wait below): a close or
+                    # abort asked for, an error met in a reader callback, events to read
+                    self.pump()
                 want = set(zip(repeat(rnd), recvs))  # the mailbox keys this step waits for
                 while True:
                     if self.mismatch is not None:
@@ -675,28 +678,30 @@ class Core:
                  ) -> Generator[float, None, Sequence[int]]:
         """Receive a step's messages the short way: wait, then read each ready sender's
         socket, and where a read holds exactly the message expected (this call's seq and
-        step, the sender's rank, opcode and root, pickled, nothing more) unpickle it into
-        ``reply`` without the decoder or the mailbox (:meth:`_xtake`; an awaited wait's
-        reader callback runs it too, and wakes the call only when the step is complete or
-        something else came). Returns the senders still to receive from, the general way
-        (Core.collective), which takes over at the first thing this path does not handle: a
-        read that holds anything else (handed to the sink as drain would), a ready
-        descriptor that is not an expected sender's, a peer lost or suspect, a deadline or
-        probe due, an abort or close asked for, a mismatch."""
+        step, the sender's rank, opcode and root, pickled, nothing more) take its payload
+        without the decoder or the mailbox (:meth:`_xtake`; an awaited wait's reader
+        callback runs it too, and wakes the call only when the step is complete or something
+        else came), and unpickle it into ``reply`` here, in the call. Returns the senders
+        still to receive from, the general way (Core.collective), which takes over at the
+        first thing this path does not handle: a read that holds anything else (handed to
+        the sink as drain would), a ready descriptor that is not an expected sender's, a
+        peer lost or suspect, a deadline or probe due, an abort or close asked for, a
+        mismatch."""
         ep: TcpEndpoint = self.ep  # type: ignore[assignment]  # (self._xp: a TcpEndpoint)
-        left = list(recvs)
-        self._xstep = (left, reply, seq, rnd, opcode, root, name)
+        left = dict.fromkeys(recvs)  # the senders not read yet (ordered; O(1) to look up)
+        raw: dict[int, bytearray] = {}  # the payloads read, by sender
+        self._xstep = (left, raw, seq, rnd, opcode, root)
         self._xfell = False
         try:
             while True:
                 if self.mismatch is not None or self.state != "open" or self.gone \
                         or self.suspects or self._deferred or ep.closed \
                         or ep._error is not None:
-                    return left
+                    break
                 now = _monotonic()
                 if now >= probe_at or now >= self._live_until:
-                    return left
-                self.waiting_for = left
+                    break
+                self.waiting_for = list(left)
                 ep.xtake = self._xcallback  # (for an awaited wait's reader callback)
                 yield min(probe_at, self._live_until) - now
                 ep.xtake = None
@@ -710,21 +715,29 @@ class Core:
                         continue
                     # read by an awaited wait's callback: the general way, if it took
                     # anything that way, else what is left of the step, if anything
-                    if self._xfell:
-                        self._xfell = False
-                        return left
-                    if not left:
-                        return left
+                    ep._ready = None
+                    if self._xfell or not left:
+                        break
                     continue
                 ep._ready = None
                 rest = self._xtake(ready)
                 if rest is not None:
                     ep._ready = rest or None  # (drain reads them)
-                    return left
+                    break
                 if not left:
-                    return left
+                    break
         finally:
             ep.xtake = None
+            self._xstep = _NO_STEP
+        for s in recvs:  # (in the order of recvs, as the general way fills reply)
+            data = raw.get(s)
+            if data is not None:
+                try:
+                    reply[s] = _ploads(data)
+                except Exception as e:  # unpickling runs code: anything can come out
+                    raise _undecodable(w.Message(_COLL, s, self.group_id, seq, rnd, opcode,
+                                                 root), name, seq, e) from e
+        return list(left)
 
     def _xcallback(self, ready: list[tuple[int, int]]) -> bool:
         """:meth:`_xtake` for an awaited wait's reader callback: whether to wake the call
@@ -733,7 +746,7 @@ class Core:
         to raise)."""
         try:
             rest = self._xtake(ready)
-        except Exception as e:
+        except BaseException as e:  # (not into the event loop: the call raises it)
             self._xerror = e
             return True
         if rest is None:
@@ -744,9 +757,10 @@ class Core:
 
     def _xtake(self, ready: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
         """Read the ``ready`` sockets of the step :meth:`_express` waits for
-        (``self._xstep``). None: all read the short way; else it met something the general
-        way must handle, and returns the events from there on that drain must still see."""
-        left, reply, seq, rnd, opcode, root, name = self._xstep
+        (``self._xstep``): each expected message's payload, copied, into its ``raw``. None:
+        all read the short way; else it met something the general way must handle, and
+        returns the events from there on that drain must still see."""
+        left, raw, seq, rnd, opcode, root = self._xstep
         ep: TcpEndpoint = self.ep  # type: ignore[assignment]  # (self._xp: a TcpEndpoint)
         conns = ep.conns
         buf = ep._rbuf
@@ -772,12 +786,8 @@ class Core:
                         head == _HEAD(_MAGIC, _VERSION, _COLL, opcode, _PICKLE, 0, s,
                                       self.group_id, seq, rnd, root, 0):
                     self.received += 1
-                    try:
-                        reply[s] = _ploads(ep._rview[_EXPRESS_SIZE:end])
-                    except Exception as e:  # unpickling runs code: anything can come out
-                        raise _undecodable(w.Message(_COLL, s, self.group_id, seq, rnd,
-                                                     opcode, root), name, seq, e) from e
-                    left.remove(s)
+                    raw[s] = buf[_EXPRESS_SIZE:end]  # (a copy: buf is read into again)
+                    del left[s]
                     if got == end:
                         continue
                     # more came behind it (a peer a call ahead, say): the general way

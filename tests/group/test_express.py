@@ -120,9 +120,13 @@ class _Refused:
 
 
 def undecodable_while_waiting(g, awaited):
+    for _ in range(3):  # (a rank's first wait looks at its peers' liveness the general way)
+        g.barrier()
+    seen = count_general(g)
     if g.rank == 0:
         time.sleep(0.3)  # rank 1 waits for it: the short way reads it
         g.broadcast(_Refused(), src=0)
+        time.sleep(0.3)  # (its next message does not come behind it in the same read)
         try:
             g.barrier(timeout=30)
         except ctrlcomm.GroupBrokenError as e:
@@ -134,15 +138,54 @@ def undecodable_while_waiting(g, awaited):
         else:
             g.broadcast(None, src=0)
     except ctrlcomm.CodecError as e:
-        return type(e).__name__, str(e), g.broken
-    return "returned", "", g.broken
+        return type(e).__name__, str(e), g.broken, seen[0]
+    return "returned", "", g.broken, seen[0]
 
 
 @pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
 def test_an_object_read_the_short_way_that_cannot_be_decoded_breaks_the_group(awaited):
     res = run_group(undecodable_while_waiting, 2, awaited, timeout=60)
-    kind, text, broken = res[1]
+    kind, text, broken, general = res[1]
     assert kind == "CodecError" and "cannot decode the object from rank 0" in text, res
     assert "ValueError: not here" in text and broken
+    assert general == 0  # it was read the short way
     # and the root is told, not left waiting in its next call
     assert res[0][0] == "PeerLostError" and "cannot decode the object from rank 0" in res[0][1]
+
+
+def closed_while_waiting(g, how):
+    """Rank 0 waits the short way for a broadcast rank 1 never sends; 0.2 s in, the group
+    is closed: from another task of the loop, from another thread (awaited and blocking)."""
+    import threading
+
+    for _ in range(3):  # (a rank's first wait looks at its peers' liveness the general way)
+        g.barrier()
+    if g.rank == 1:
+        time.sleep(2.0)
+        return None
+    t = time.monotonic()
+
+    async def awaited():
+        if how == "task":
+            asyncio.get_running_loop().call_later(0.2, g.close)
+        else:
+            threading.Timer(0.2, g.close).start()
+        return await g.aio.broadcast(None, src=1, timeout=30)
+
+    try:
+        if how == "thread, blocking":
+            threading.Timer(0.2, g.close).start()
+            g.broadcast(None, src=1, timeout=30)
+        else:
+            asyncio.run(awaited())
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t
+    return "returned", "", time.monotonic() - t
+
+
+@pytest.mark.parametrize("how", ["task", "thread", "thread, blocking"])
+def test_a_close_ends_a_call_waiting_the_short_way_at_once(how):
+    kind, text, took = run_group(closed_while_waiting, 2, how, timeout=60)[0]
+    assert kind == "GroupClosedError" and "closed during the call" in text, (kind, text)
+    # at once, not at the first look at the peers' state (FIRST_PROBE, 1 s into the call)
+    assert took < 0.9, took

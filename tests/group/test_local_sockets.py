@@ -304,6 +304,9 @@ def error_while_reading_in_the_callback(g):
         await g.aio.all_reduce(0, timeout=5)  # connections made: what comes next is data
         if g.rank == 1:
             await asyncio.sleep(0.3)  # rank 0 waits in the event loop meanwhile
+            # first a message the call does not expect: the callback hands it to the sink
+            # (the expected one alone would be read the short way, without the sink)
+            await g.aio.send("p2p", dst=0)
             await g.aio.all_reduce(1, timeout=5)
             return None
         ep = g._core.ep
@@ -312,7 +315,7 @@ def error_while_reading_in_the_callback(g):
         def failing_sink(m):
             raise RuntimeError("sink failed")
 
-        ep.sink = failing_sink
+        ep.sink = g._core._sink = failing_sink
         try:
             await g.aio.all_reduce(1, timeout=5)
         except RuntimeError as e:
