@@ -202,9 +202,9 @@ class Core:
         self.mismatch: MismatchError | None = None
         # this rank's object the current collective could not send (sent in its place)
         self._send_failed: _ops.Failed | None = None
-        # the step _express waits for: (senders left, reply, seq, round, opcode, root, name);
-        # an error its reads met in an awaited wait's callback; whether that callback
-        # handed anything to the sink (the general way takes over)
+        # the step _express waits for: (senders not read yet, payloads read by sender, seq,
+        # round, opcode, root); an error its reads met in an awaited wait's callback; whether
+        # that callback handed anything to the sink (the general way takes over)
         self._xstep: tuple[dict[int, None], dict[int, Any], int, int, int, int] = _NO_STEP
         self._xerror: BaseException | None = None
         self._xfell = False
