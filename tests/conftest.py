@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -8,6 +9,13 @@ settings.register_profile("ci", max_examples=60, deadline=None,
 settings.register_profile("dev", max_examples=30, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # Started in the background by a shell without job control (`cmd &`, nohup), the
+    # suite ignores SIGINT, and so would every process it starts (an ignored signal stays
+    # ignored across exec): the tests of Ctrl-C (a rank interrupted, the bench stopped)
+    # would test nothing and fail. They need it as a terminal gives it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

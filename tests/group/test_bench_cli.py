@@ -698,6 +698,7 @@ def test_ctrl_c_while_the_ranks_start_prints_one_line_and_no_traceback():
         for pid in [p.pid, *_descendants(p.pid), *ranks]:  # (only what this test started)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        p.communicate()  # reaped (else a later test reports it as a leaked process)
 
 
 @pytest.mark.slow
