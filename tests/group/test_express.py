@@ -10,7 +10,7 @@ import time
 import pytest
 
 import ctrlcomm
-from ctrlcomm.testing import run_group
+from ctrlcomm.testing import run_group, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -189,3 +189,35 @@ def test_a_close_ends_a_call_waiting_the_short_way_at_once(how):
     assert kind == "GroupClosedError" and "closed during the call" in text, (kind, text)
     # at once, not at the first look at the peers' state (FIRST_PROBE, 1 s into the call)
     assert took < 0.9, took
+
+
+def peer_dies_while_waited_for(rank, size, port, awaited):
+    """Rank 1 exits without close() while rank 0 waits for it the short way: the end of its
+    stream, read there, names it lost."""
+    import os
+
+    g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, host_store=False, timeout=60)
+    for _ in range(3):  # (a rank's first wait looks at its peers' liveness the general way)
+        g.barrier()
+    if rank == 1:
+        time.sleep(0.3)
+        os._exit(0)
+    t = time.monotonic()
+    try:
+        if awaited:
+            asyncio.run(g.aio.broadcast(None, src=1, timeout=30))
+        else:
+            g.broadcast(None, src=1, timeout=30)
+    except ctrlcomm.PeerLostError as e:
+        return type(e).__name__, e.ranks, str(e), time.monotonic() - t
+    return "returned", [], "", time.monotonic() - t
+
+
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_a_peer_that_dies_while_waited_for_the_short_way_is_named_lost(store, awaited):
+    res = run_ranks(peer_dies_while_waited_for, 2, store.port, awaited, may_die=(1,),
+                    timeout=60)
+    kind, ranks, text, took = res[0]
+    assert kind == "PeerLostError" and ranks == [1] and "rank 1" in text, res[0]
+    assert "connection closed" in text, text
+    assert took < 10, took  # (its deadline is 30 s)
