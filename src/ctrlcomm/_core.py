@@ -32,7 +32,6 @@ rejected before a seq number is taken, so they leave the group open too.
 from __future__ import annotations
 
 import math
-import select
 import threading
 import time
 from collections import Counter, deque
@@ -145,12 +144,6 @@ _ploads = w._ploads  # the usual payload is decoded in line (w.loads without its
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
 _first_pass = w.first_pass  # the usual object's encoding (Core._post)
 _COLL, _PICKLE = w.COLL, w.PICKLE
-_EXPRESS = w.EXPRESS.unpack_from
-_EXPRESS_LEAD = w.EXPRESS_LEAD
-_EXPRESS_SIZE = w.EXPRESS.size
-_HEAD = w.HEADER.pack
-_MAGIC, _VERSION = w.MAGIC, w.VERSION
-_EPOLLIN = select.EPOLLIN
 _NO_STEP: tuple[dict[int, None], dict[int, Any], int, int, int, int] = ({}, {}, -1, 0, 0, 0)
 
 
@@ -677,11 +670,11 @@ class Core:
                  opcode: int, root: int, probe_at: float, name: str
                  ) -> Generator[float, None, Sequence[int]]:
         """Receive a step's messages the short way: wait, then read each ready sender's
-        socket, and where a read holds exactly the message expected (this call's seq and
-        step, the sender's rank, opcode and root, pickled, nothing more) take its payload
-        without the decoder or the mailbox (:meth:`_xtake`; an awaited wait's reader
-        callback runs it too, and wakes the call only when the step is complete or something
-        else came), and unpickle it into ``reply`` here, in the call. Returns the senders
+        socket, and where a read begins with the message expected (this call's seq and
+        step, the sender's rank, opcode and root, pickled; what comes behind it goes to the
+        sink) take its payload without the decoder or the mailbox (:meth:`_xtake`; an
+        awaited wait's reader callback runs it too, and wakes the call only when the step is
+        complete or something else came), and unpickle it into ``reply`` here, in the call. Returns the senders
         still to receive from, the general way (Core.collective), which takes over at the
         first thing this path does not handle: a read that holds anything else (handed to
         the sink as drain would), a ready descriptor that is not an expected sender's, a
@@ -695,8 +688,7 @@ class Core:
         try:
             while True:
                 if self.mismatch is not None or self.state != "open" or self.gone \
-                        or self.suspects or self._deferred or ep.closed \
-                        or ep._error is not None:
+                        or self.suspects or self._deferred or ep.closed or ep.failed:
                     break
                 now = _monotonic()
                 if now >= probe_at or now >= self._live_until:
@@ -709,22 +701,16 @@ class Core:
                 if e is not None:
                     self._xerror = None
                     raise e
-                ready = ep._ready
+                ready = ep.pop_ready()
                 if not ready:
                     if ready is None:  # the wait timed out (or ended by its timer): again
                         continue
                     # read by an awaited wait's callback: the general way, if it took
                     # anything that way, else what is left of the step, if anything
-                    ep._ready = None
                     if self._xfell or not left:
                         break
                     continue
-                ep._ready = None
-                rest = self._xtake(ready)
-                if rest is not None:
-                    ep._ready = rest or None  # (drain reads them)
-                    break
-                if not left:
+                if self._xtake(ready) or not left:  # (drain reads what it left)
                     break
         finally:
             ep.xtake = None
@@ -741,64 +727,27 @@ class Core:
 
     def _xcallback(self, ready: list[tuple[int, int]]) -> bool:
         """:meth:`_xtake` for an awaited wait's reader callback: whether to wake the call
-        (its step is complete, or the general way must take over: the events it must still
-        see are left in the endpoint's ``_ready`` for drain; or an error, kept for the call
-        to raise)."""
+        (its step is complete, or the general way must take over; or an error, kept for the
+        call to raise)."""
         try:
-            rest = self._xtake(ready)
+            fell = self._xtake(ready)
         except BaseException as e:  # (not into the event loop: the call raises it)
             self._xerror = e
             return True
-        if rest is None:
+        if not fell:
             return not self._xstep[0]
         self._xfell = True
-        self.ep._ready = rest or None  # type: ignore[union-attr]  # (a TcpEndpoint)
         return True
 
-    def _xtake(self, ready: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
-        """Read the ``ready`` sockets of the step :meth:`_express` waits for
-        (``self._xstep``): each expected message's payload, copied, into its ``raw``. None:
-        all read the short way; else it met something the general way must handle, and
-        returns the events from there on that drain must still see."""
+    def _xtake(self, ready: list[tuple[int, int]]) -> bool:
+        """The endpoint's read_expected for the step :meth:`_express` waits for
+        (``self._xstep``): whether the general way must take over."""
         left, raw, seq, rnd, opcode, root = self._xstep
-        ep: TcpEndpoint = self.ep  # type: ignore[assignment]  # (self._xp: a TcpEndpoint)
-        conns = ep.conns
-        buf = ep._rbuf
-        for i, (fd, ev) in enumerate(ready):
-            c = conns.get(fd)
-            # (a connection in error is dropped, out of conns, at once: no decoder here
-            # holds an error)
-            if ev != _EPOLLIN or c is None or not c.inbound or c.rank not in left \
-                    or c.paused or c.decoder.buf or c.decoder._lens is not None:  # type: ignore[union-attr]
-                return ready[i:]  # not what this path reads
-            s = c.rank
-            try:
-                got = c.sock.recv_into(buf)
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError as e:
-                ep._lose(c, f"connection failed: {e.strerror or e}")
-                return ready[i + 1:]
-            if got >= _EXPRESS_SIZE:
-                lead, size, head = _EXPRESS(buf)
-                end = _EXPRESS_SIZE + size
-                if lead == _EXPRESS_LEAD and got >= end and \
-                        head == _HEAD(_MAGIC, _VERSION, _COLL, opcode, _PICKLE, 0, s,
-                                      self.group_id, seq, rnd, root, 0):
-                    self.received += 1
-                    raw[s] = buf[_EXPRESS_SIZE:end]  # (a copy: buf is read into again)
-                    del left[s]
-                    if got == end:
-                        continue
-                    # more came behind it (a peer a call ahead, say): the general way
-                    ep.take(c, got, self._sink, end)
-                    return ready[i + 1:]
-            if got == 0:
-                ep._lose(c, "connection closed")
-            else:
-                ep.take(c, got, self._sink)  # not the message expected
-            return ready[i + 1:]
-        return None
+        n = len(raw)
+        fell = self.ep.read_expected(  # type: ignore[union-attr]  # (self._xp: a TcpEndpoint)
+            ready, left, raw, self.group_id, seq, rnd, opcode, root, self._sink)
+        self.received += len(raw) - n
+        return fell
 
     def _release(self, srcs: Sequence[int]) -> None:
         """One message of each of ``srcs`` left the mailbox."""

@@ -571,6 +571,10 @@ class _Conn:
 
 
 _PREFIX2, _STREAM_MAGIC = w.PREFIX2, w.STREAM_MAGIC
+# the usual message's start, as TcpEndpoint.read_expected compares it
+_EXPRESS, _EXPRESS_SIZE, _EXPRESS_LEAD = w.EXPRESS.unpack_from, w.EXPRESS.size, w.EXPRESS_LEAD
+_HEAD, _MAGIC, _VERSION, _COLL, _PICKLE = w.HEADER.pack, w.MAGIC, w.VERSION, w.COLL, w.PICKLE
+_EPOLLIN = select.EPOLLIN
 FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
 READ_CHUNK = 256 * 1024
 PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
@@ -1079,11 +1083,75 @@ class TcpEndpoint:
                 if not data:
                     self._lose(c, "connection closed")
 
-    def take(self, c: _Conn, got: int, sink: Callable[[w.Message | None], int | None],
-             start: int = 0) -> None:
+    def pop_ready(self) -> list[tuple[int, int]] | None:
+        """The events the last wait saw, not read yet (None: none seen; an empty list: an
+        awaited wait's reader callback read them), and forget them."""
+        ready, self._ready = self._ready, None
+        return ready
+
+    @property
+    def failed(self) -> bool:
+        """Whether a reader callback met an error that the next drain raises."""
+        return self._error is not None
+
+    def read_expected(self, ready: list[tuple[int, int]], left: dict[int, None],
+                      raw: dict[int, bytearray], group_id: int, seq: int, rnd: int,
+                      op: int, root: int, sink: Callable[[w.Message | None], int | None]
+                      ) -> bool:
+        """Read the ``ready`` sockets of the senders in ``left`` the short way
+        (Core._express): where a read begins with the collective message expected from that
+        sender (``group_id``, ``seq``, ``rnd``, ``op``, ``root``; pickled, no flags, no
+        buffers) its payload, copied, goes to ``raw[sender]`` and the sender leaves
+        ``left``; what comes behind it goes to ``sink``, as drain would hand it. False: all
+        read so. True: it met something else (another descriptor, another message, a
+        decoder holding part of one, the end of a connection), handed that read to ``sink``
+        or lost the connection, and left the events from there on for drain."""
+        conns = self.conns
+        buf = self._rbuf
+        for i, (fd, ev) in enumerate(ready):
+            c = conns.get(fd)
+            # (a connection in error is dropped, out of conns, at once: no decoder here
+            # holds an error)
+            if ev != _EPOLLIN or c is None or not c.inbound or c.rank not in left \
+                    or c.paused or c.decoder.buf or c.decoder._lens is not None:  # type: ignore[union-attr]
+                self._ready = ready[i:]  # not what this path reads
+                return True
+            s = c.rank
+            try:
+                got = c.sock.recv_into(buf)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as e:
+                self._lose(c, f"connection failed: {e.strerror or e}")
+                self._ready = ready[i + 1:] or None
+                return True
+            if got >= _EXPRESS_SIZE:
+                lead, size, head = _EXPRESS(buf)
+                end = _EXPRESS_SIZE + size
+                if lead == _EXPRESS_LEAD and got >= end and \
+                        head == _HEAD(_MAGIC, _VERSION, _COLL, op, _PICKLE, 0, s, group_id,
+                                      seq, rnd, root, 0):
+                    raw[s] = buf[_EXPRESS_SIZE:end]  # (a copy: buf is read into again)
+                    del left[s]
+                    if got == end:
+                        continue
+                    # more came behind it (a peer a call ahead, say): the general way
+                    self._take(c, got, sink, end)
+                    self._ready = ready[i + 1:] or None
+                    return True
+            if got == 0:
+                self._lose(c, "connection closed")
+            else:
+                self._take(c, got, sink)  # not the message expected
+            self._ready = ready[i + 1:] or None
+            return True
+        return False
+
+    def _take(self, c: _Conn, got: int, sink: Callable[[w.Message | None], int | None],
+              start: int = 0) -> None:
         """Hand what a read of ``c``, an identified inbound connection, put in the receive
         buffer (its bytes ``start`` to ``got``) to ``sink``, the way :meth:`drain` does
-        (Core._express read it, expecting another message, or took a message from its
+        (read_expected read it, expecting another message, or took a message from its
         start)."""
         dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
         try:
@@ -1185,7 +1253,8 @@ class TcpEndpoint:
                 return
             xtake = self.xtake
             if xtake is not None:
-                # the call reads what it expects (Core._express); the rest, if any, below
+                # the call reads what it expects (Core._express: read_expected, which
+                # leaves in self._ready what drain must still see)
                 self._ready = None
                 if not xtake(ready):
                     return  # its step is not complete yet: it sleeps on
