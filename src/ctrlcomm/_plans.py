@@ -55,6 +55,19 @@ def _to(dsts: Iterable[int], obj: Any) -> tuple[tuple[int, Any], ...]:
     return tuple(zip(dsts, repeat(obj)))
 
 
+def fold(combine: Callable[[Any, Any], Any], vals: Sequence[Any]) -> Any:
+    """``vals`` combined left to right: ``combine(combine(vals[0], vals[1]), vals[2])`` and so
+    on; by ``combine.fold(vals)``, where it has one (a named op's: one pass instead of a call
+    per operand, which a star's root makes N-1 of on every call)."""
+    many = getattr(combine, "fold", None)
+    if many is not None:
+        return many(vals)
+    acc = vals[0]
+    for v in vals[1:]:
+        acc = combine(acc, v)
+    return acc
+
+
 @functools.lru_cache(maxsize=1024)
 def _others(n: int, r: int) -> tuple[int, ...]:
     """The ranks of a world of ``n`` but ``r``, in order (built once per (n, r): a generator
@@ -170,10 +183,7 @@ def all_reduce_flat(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> P
     peers = _others(n, r)
     got = yield Step(0, _to(peers, obj), peers)
     got[r] = obj
-    acc = got[0]
-    for p in range(1, n):
-        acc = combine(acc, got[p])
-    return acc
+    return fold(combine, list(map(got.__getitem__, range(n))))
 
 
 def all_reduce_doubling(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> Plan:
@@ -284,9 +294,8 @@ def all_reduce_star(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) -> P
     if n == 1:
         return obj
     got = yield Step(STAR, recvs=tuple(range(1, n)))
-    acc = obj
-    for p in range(1, n):
-        acc = combine(acc, got[p])
+    got[0] = obj
+    acc = fold(combine, list(map(got.__getitem__, range(n))))
     yield Step(STAR, sends=_to(range(1, n), acc))
     return acc
 
@@ -300,7 +309,7 @@ def all_gather_star(ctx: Ctx, obj: Any) -> Plan:
         return [obj]
     got = yield Step(STAR, recvs=tuple(range(1, n)))
     got[0] = obj
-    out = [got[i] for i in range(n)]
+    out = list(map(got.__getitem__, range(n)))
     yield Step(STAR, sends=_to(range(1, n), out))
     return out
 
@@ -336,7 +345,4 @@ def reduce_flat(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: in
     got = yield from gather_flat(ctx, obj, root)
     if got is None:
         return None
-    acc = got[0]
-    for v in got[1:]:
-        acc = combine(acc, v)
-    return acc
+    return fold(combine, got)

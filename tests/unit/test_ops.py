@@ -2,7 +2,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ctrlcomm import InvalidArgumentError, _ops
+from ctrlcomm import InvalidArgumentError, _ops, _plans
 
 
 def combine(op):
@@ -85,6 +85,50 @@ def test_fast_combiner_agrees_with_the_general_one(op, a, b):
         assert isinstance(fast, _ops.Failed) and fast.message == slow.message
     else:
         assert repr(fast) == repr(slow) and type(fast) is type(slow)
+
+
+_ints = st.one_of(st.integers(-(2**70), 2**70), st.booleans())
+# operands alike (the shape a root's fold takes in one pass): scalars of one kind, or lists
+# or tuples of one length; and, less often, anything
+_operands = st.one_of(
+    st.sampled_from([_ints, _plain, st.integers(-3, 3)]).flatmap(
+        lambda elem: st.one_of(
+            st.lists(elem, min_size=1, max_size=8),
+            st.tuples(st.integers(0, 4), st.sampled_from([list, tuple])).flatmap(
+                lambda shape: st.lists(
+                    st.lists(elem, min_size=shape[0], max_size=shape[0]).map(shape[1]),
+                    min_size=1, max_size=8)))),
+    st.lists(_operand, min_size=1, max_size=5))
+
+
+def _pairwise(combine, vals):
+    acc = vals[0]
+    for v in vals[1:]:
+        acc = combine(acc, v)
+    return acc
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(_ops.NAMED_OPS), _operands)
+@example("max", [(1, float("nan")), (2, 1.0), (0, 3.0)]).via("NaN in a column (floats)")
+@example("max", [1, True, 1]).via("equals of two types: the first kept")
+@example("min", [(False, 0), (0, False)]).via("the first of equals, per column")
+@example("sum", [(10**400,), (1.0,), (2,)]).via("overflow: the same failure")
+@example("sum", [(1, 2), [1, 2]]).via("a list and a tuple")
+@example("sum", [(1, 2), (1, 2, 3)]).via("different lengths")
+@example("band", [(1, 2.5), (1, 2)]).via("a float where ints are needed")
+@example("sum", [(1,), _ops.Failed("earlier", "operand"), (2,)]).via("a failure absorbs")
+def test_a_fold_of_many_operands_agrees_with_folding_them_pairwise(op, vals):
+    # a root's fold in one pass (plans' fold, by the combiner's .fold) gives what combining
+    # the operands one by one, left to right, gives: same value, type and failure
+    combine = _ops.combiner(op, "all_reduce", 0)
+    got = _plans.fold(combine, vals)
+    want = _pairwise(combine, vals)
+    if isinstance(want, _ops.Failed):
+        assert isinstance(got, _ops.Failed) and (got.message, got.kind) == (want.message, want.kind)
+    else:
+        assert repr(got) == repr(want) and type(got) is type(want)
+    assert _plans.fold(lambda a, b: a + b, [1, 2, 3]) == 6  # (a callable without .fold)
 
 
 class _NoRepr:
