@@ -144,7 +144,8 @@ _ploads = w._ploads  # the usual payload is decoded in line (w.loads without its
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
 _first_pass = w.first_pass  # the usual object's encoding (Core._post)
 _COLL, _PICKLE = w.COLL, w.PICKLE
-_NO_STEP: tuple[dict[int, None], dict[int, Any], int, int, int, int] = ({}, {}, -1, 0, 0, 0)
+_NO_STEP: tuple[dict[int, None], dict[int, Any], int, int, int, int, int] = \
+    ({}, {}, _COLL, -1, 0, 0, 0)
 
 
 class Core:
@@ -198,7 +199,7 @@ class Core:
         # the step _express waits for: (senders not read yet, payloads read by sender, seq,
         # round, opcode, root); an error its reads met in an awaited wait's callback; whether
         # that callback handed anything to the sink (the general way takes over)
-        self._xstep: tuple[dict[int, None], dict[int, Any], int, int, int, int] = _NO_STEP
+        self._xstep: tuple[dict[int, None], dict[int, Any], int, int, int, int, int] = _NO_STEP
         self._xerror: BaseException | None = None
         self._xfell = False
         self._in_place = False  # whether the current collective can send a failure so
@@ -667,23 +668,24 @@ class Core:
                 self._run_deferred_unlocked()
 
     def _express(self, recvs: tuple[int, ...], reply: dict[int, Any], seq: int, rnd: int,
-                 opcode: int, root: int, probe_at: float, name: str
+                 opcode: int, root: int, probe_at: float, name: str, kind: int = _COLL
                  ) -> Generator[float, None, Sequence[int]]:
         """Receive a step's messages the short way: wait, then read each ready sender's
         socket, and where a read begins with the message expected (this call's seq and
         step, the sender's rank, opcode and root, pickled; what comes behind it goes to the
         sink) take its payload without the decoder or the mailbox (:meth:`_xtake`; an
         awaited wait's reader callback runs it too, and wakes the call only when the step is
-        complete or something else came), and unpickle it into ``reply`` here, in the call. Returns the senders
-        still to receive from, the general way (Core.collective), which takes over at the
-        first thing this path does not handle: a read that holds anything else (handed to
-        the sink as drain would), a ready descriptor that is not an expected sender's, a
-        peer lost or suspect, a deadline or probe due, an abort or close asked for, a
-        mismatch."""
+        complete or something else came), and unpickle it into ``reply`` here, in the call.
+        Returns the senders still to receive from, the general way (Core.collective), which
+        takes over at the first thing this path does not handle: a read that holds anything
+        else (handed to the sink as drain would), a ready descriptor that is not an expected
+        sender's, a peer lost or suspect, a deadline or probe due, an abort or close asked
+        for, a mismatch. (``kind`` w.P2P: Core.recv's one message, ``seq`` the sender's
+        next number and ``rnd`` the tag.)"""
         ep: TcpEndpoint = self.ep  # type: ignore[assignment]  # (self._xp: a TcpEndpoint)
         left = dict.fromkeys(recvs)  # the senders not read yet (ordered; O(1) to look up)
         raw: dict[int, bytearray] = {}  # the payloads read, by sender
-        self._xstep = (left, raw, seq, rnd, opcode, root)
+        self._xstep = (left, raw, kind, seq, rnd, opcode, root)
         self._xfell = False
         try:
             while True:
@@ -721,8 +723,9 @@ class Core:
                 try:
                     reply[s] = _ploads(data)
                 except Exception as e:  # unpickling runs code: anything can come out
-                    raise _undecodable(w.Message(_COLL, s, self.group_id, seq, rnd, opcode,
-                                                 root), name, seq, e) from e
+                    raise _undecodable(w.Message(kind, s, self.group_id, seq, rnd, opcode,
+                                                 root), name, seq if kind == _COLL else None,
+                                       e) from e
         return list(left)
 
     def _xcallback(self, ready: list[tuple[int, int]]) -> bool:
@@ -742,10 +745,10 @@ class Core:
     def _xtake(self, ready: list[tuple[int, int]]) -> bool:
         """The endpoint's read_expected for the step :meth:`_express` waits for
         (``self._xstep``): whether the general way must take over."""
-        left, raw, seq, rnd, opcode, root = self._xstep
+        left, raw, kind, seq, rnd, opcode, root = self._xstep
         n = len(raw)
         fell = self.ep.read_expected(  # type: ignore[union-attr]  # (self._xp: a TcpEndpoint)
-            ready, left, raw, self.group_id, seq, rnd, opcode, root, self._sink)
+            ready, left, raw, self.group_id, kind, seq, rnd, opcode, root, self._sink)
         self.received += len(raw) - n
         return fell
 
@@ -1009,27 +1012,47 @@ class Core:
         """Point to point: ``obj`` to ``dst``, or to each rank of a tuple (encoded once).
         ``what`` names the call in errors (default: ``send(dst=..., tag=...)``)."""
         self.enter(what or "send")
-        t = self.timeout if timeout is None else float(timeout)
         dsts = dst if isinstance(dst, tuple) else (dst,)
-        name = what or f"send(dst={dst}, tag={tag})"
+        name = what  # (the default, "send(dst=..., tag=...)", made where it is needed)
         try:
-            self._unreachable(dsts, name)
-            try:
-                payload, bufs = w.dumps(obj, self.codec)
-                if bufs or len(payload) > MAX_PAYLOAD:
-                    _check_size(payload, bufs)
-            except CodecError as e:
-                raise CodecError(f"{name} on group {self.name!r}, rank {self.rank}: {e}"
-                                 ) from None
-            for d in dsts:
-                n = self.p2p_out.get(d, 1)
-                msg = w.Message(w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT,
-                                self.codec, payload, bufs)
-                self.ep.send(d, w.encode(msg, self.key, d))
-                self.p2p_out[d] = n + 1
-                self.sent += 1
-            yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None)
-            self._unreachable(dsts, name)  # lost while it was sent: the rest was dropped
+            if self.gone or self.suspects:
+                self._unreachable(dsts, name or f"send(dst={dst}, tag={tag})")
+            payload = _first_pass(obj) if self._fast else None
+            ep, count = self.ep, self.p2p_out
+            if type(payload) is bytes and len(payload) < COPY_THRESHOLD:
+                # the usual message, a small object, pickled and framed in one piece (as
+                # Core._post); anything else the general way, with what that pass found
+                for d in dsts:
+                    n = count.get(d, 1)
+                    ep.send_framed((d,), w.stream_message(  # type: ignore[union-attr]  # (a TcpEndpoint)
+                        w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT, _PICKLE, payload))
+                    count[d] = n + 1
+                self.sent += len(dsts)
+            else:
+                name = name or f"send(dst={dst}, tag={tag})"
+                try:
+                    if type(payload) is bytes:
+                        bufs: tuple[Any, ...] = ()
+                    else:
+                        payload, bufs = w.dumps(obj, self.codec)
+                    if bufs or len(payload) > MAX_PAYLOAD:
+                        _check_size(payload, bufs)
+                except CodecError as e:
+                    raise CodecError(f"{name} on group {self.name!r}, rank {self.rank}: {e}"
+                                     ) from None
+                for d in dsts:
+                    n = count.get(d, 1)
+                    msg = w.Message(w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT,
+                                    self.codec, payload, bufs)
+                    ep.send(d, w.encode(msg, self.key, d))
+                    count[d] = n + 1
+                    self.sent += 1
+            if ep.unflushed:  # else nothing is queued: no backlog to wait out
+                name = name or f"send(dst={dst}, tag={tag})"
+                t = self.timeout if timeout is None else float(timeout)
+                yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None)
+            if self.gone or self.suspects:  # lost while it was sent: the rest was dropped
+                self._unreachable(dsts, name or f"send(dst={dst}, tag={tag})")
         finally:
             self.waiting_for = []
             self.leave()
@@ -1049,10 +1072,26 @@ class Core:
         self.enter(what or "recv")
         t = self.timeout if timeout is None else float(timeout)
         name = what or f"recv(src={src}, tag={tag})"
-        deadline = time.monotonic() + t
+        start = _monotonic()
+        deadline = start + t
         self._probed = self._looked = False
         self.active = (name, -1, 0, w.NO_ROOT)
         try:
+            if self._xp and not self.p2p.get((src, tag)) and not self.paused:
+                # the usual: the message read straight from its sender's socket when it
+                # comes, if it is the next one that sender numbered for this rank, with this
+                # tag (anything else, or anything unusual, the general way below)
+                probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in collective
+                if start + FIRST_PROBE < probe_at:
+                    probe_at = start + FIRST_PROBE
+                n = self.p2p_in.get(src, 1)
+                reply: dict[int, Any] = {}
+                left = yield from self._express((src,), reply, n, tag, 0, w.NO_ROOT, probe_at,
+                                                name, w.P2P)
+                if not left:
+                    self.p2p_in[src] = n + 1
+                    return reply[src]
+                self.pump()  # what made it stop, seen now (as in collective)
             while True:
                 self.pump()
                 q = self.p2p.get((src, tag))

@@ -68,6 +68,8 @@ def _rank_arg(core: Core, value: Any, what: str, op: str) -> int:
 
 def _peer_arg(core: Core, value: Any, what: str, op: str) -> int:
     """A rank other than this one (point to point)."""
+    if type(value) is int and 0 <= value < core.size and value != core.rank:  # the usual
+        return value
     r = _rank_arg(core, value, what, op)
     if r == core.rank:
         raise InvalidArgumentError(f"{op} on rank {core.rank}: {what} is this rank")
@@ -109,6 +111,8 @@ def _timeout_arg(timeout: Any, op: str) -> float | None:
 
 
 def _tag_arg(core: Core, tag: Any, op: str) -> int:
+    if type(tag) is int and -(1 << 63) <= tag < (1 << 63):  # the usual
+        return tag
     try:
         t = operator.index(tag)
     except TypeError:

@@ -1095,17 +1095,18 @@ class TcpEndpoint:
         return self._error is not None
 
     def read_expected(self, ready: list[tuple[int, int]], left: dict[int, None],
-                      raw: dict[int, bytearray], group_id: int, seq: int, rnd: int,
-                      op: int, root: int, sink: Callable[[w.Message | None], int | None]
-                      ) -> bool:
+                      raw: dict[int, bytearray], group_id: int, kind: int, seq: int,
+                      rnd: int, op: int, root: int,
+                      sink: Callable[[w.Message | None], int | None]) -> bool:
         """Read the ``ready`` sockets of the senders in ``left`` the short way
-        (Core._express): where a read begins with the collective message expected from that
-        sender (``group_id``, ``seq``, ``rnd``, ``op``, ``root``; pickled, no flags, no
-        buffers) its payload, copied, goes to ``raw[sender]`` and the sender leaves
-        ``left``; what comes behind it goes to ``sink``, as drain would hand it. False: all
-        read so. True: it met something else (another descriptor, another message, a
-        decoder holding part of one, the end of a connection), handed that read to ``sink``
-        or lost the connection, and left the events from there on for drain."""
+        (Core._express): where a read begins with the message expected from that sender
+        (``group_id``, ``kind``, ``seq``, ``rnd``, ``op``, ``root``: a collective's, or a
+        point-to-point one's; pickled, no flags, no buffers) its payload, copied, goes to
+        ``raw[sender]`` and the sender leaves ``left``; what comes behind it goes to
+        ``sink``, as drain would hand it. False: all read so. True: it met something else
+        (another descriptor, another message, a decoder holding part of one, the end of a
+        connection), handed that read to ``sink`` or lost the connection, and left the
+        events from there on for drain."""
         conns = self.conns
         buf = self._rbuf
         for i, (fd, ev) in enumerate(ready):
@@ -1129,7 +1130,7 @@ class TcpEndpoint:
                 lead, size, head = _EXPRESS(buf)
                 end = _EXPRESS_SIZE + size
                 if lead == _EXPRESS_LEAD and got >= end and \
-                        head == _HEAD(_MAGIC, _VERSION, _COLL, op, _PICKLE, 0, s, group_id,
+                        head == _HEAD(_MAGIC, _VERSION, kind, op, _PICKLE, 0, s, group_id,
                                       seq, rnd, root, 0):
                     raw[s] = buf[_EXPRESS_SIZE:end]  # (a copy: buf is read into again)
                     del left[s]

@@ -10,31 +10,45 @@ import time
 import pytest
 
 import ctrlcomm
+from ctrlcomm._wire import P2P
 from ctrlcomm.testing import run_group, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def count_general(g):
-    """Count the messages the core takes the general way (its sink) from now on."""
+def count_general(g, kind=None):
+    """Count the messages (of ``kind`` only: a w.P2P, say) the core takes the general way
+    (its sink) from now on."""
     core = g._core
     seen = [0]
     sink = core._sink
 
     def counting(m):
-        seen[0] += 1
+        if kind is None or (m is not None and m.kind == kind):
+            seen[0] += 1
         return sink(m)
 
     core._sink = core.ep.sink = counting
     return seen
 
 
+def settle(g):
+    """Make each rank wait once the general way: a rank's first wait looks at its peers'
+    liveness that way (their heartbeats), and the short way waits only once that was done.
+    (A barrier whose message was there already does not wait: each rank in turn comes
+    last, so the others wait for it.)"""
+    for r in range(g.world_size):
+        if g.rank == r:
+            time.sleep(0.05)
+        g.barrier()
+    g.barrier()
+
+
 def waiting_receivers(g, awaited):
     """Each call's receivers are waiting before its messages arrive (the senders sleep
     first): every message is read the short way. Returns the results and, per call, how
     many messages went the general way. ``awaited``: the calls through ``g.aio``."""
-    for _ in range(3):  # (a rank's first wait looks at its peers' liveness the general way)
-        g.barrier()
+    settle(g)
     seen = count_general(g)
     out, general = [], []
     api = g.aio if awaited else g
@@ -120,8 +134,7 @@ class _Refused:
 
 
 def undecodable_while_waiting(g, awaited):
-    for _ in range(3):  # (a rank's first wait looks at its peers' liveness the general way)
-        g.barrier()
+    settle(g)
     seen = count_general(g)
     if g.rank == 0:
         time.sleep(0.3)  # rank 1 waits for it: the short way reads it
@@ -158,8 +171,7 @@ def closed_while_waiting(g, how):
     is closed: from another task of the loop, from another thread (awaited and blocking)."""
     import threading
 
-    for _ in range(3):  # (a rank's first wait looks at its peers' liveness the general way)
-        g.barrier()
+    settle(g)
     if g.rank == 1:
         time.sleep(2.0)
         return None
@@ -197,8 +209,7 @@ def peer_dies_while_waited_for(rank, size, port, awaited):
     import os
 
     g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, host_store=False, timeout=60)
-    for _ in range(3):  # (a rank's first wait looks at its peers' liveness the general way)
-        g.barrier()
+    settle(g)
     if rank == 1:
         time.sleep(0.3)
         os._exit(0)
@@ -221,3 +232,107 @@ def test_a_peer_that_dies_while_waited_for_the_short_way_is_named_lost(store, aw
     assert kind == "PeerLostError" and ranks == [1] and "rank 1" in text, res[0]
     assert "connection closed" in text, text
     assert took < 10, took  # (its deadline is 30 s)
+
+
+def p2p_while_waiting(g, awaited):
+    """Rank 1 waits in recv while rank 0 sends: the next message rank 0 numbered for it,
+    with the tag it waits for, is read the short way; one with another tag that comes first
+    goes the general way, and both are received, each by its tag. (Counted: the
+    point-to-point messages that went the general way; the barrier's come right behind.)"""
+    settle(g)
+    seen = count_general(g, P2P)
+    if g.rank == 0:
+        for obj, tag in [({"x": 1}, 5), ([2, 3], 5)]:
+            time.sleep(0.2)  # rank 1 waits for it
+            g.send(obj, dst=1, tag=tag)
+            g.barrier()
+        time.sleep(0.2)
+        g.send("tag 7 first", dst=1, tag=7)  # while rank 1 waits for tag 5
+        time.sleep(0.2)
+        g.send("then 5", dst=1, tag=5)
+        g.barrier()
+        return None
+
+    def recv(tag):
+        return asyncio.run(g.aio.recv(0, tag=tag)) if awaited else g.recv(0, tag=tag)
+
+    out, general = [], []
+    for _ in range(2):
+        before = seen[0]
+        out.append(recv(5))
+        general.append(seen[0] - before)
+        g.barrier()
+    before = seen[0]
+    out.append(recv(5))
+    out.append(recv(7))
+    general.append(seen[0] - before)
+    g.barrier()
+    return out, general
+
+
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_a_message_received_point_to_point_while_waiting_is_read_the_short_way(awaited):
+    out, general = run_group(p2p_while_waiting, 2, awaited, timeout=60)[1]
+    assert out == [{"x": 1}, [2, 3], "then 5", "tag 7 first"], out
+    # the first two straight from the socket; of the last two, the one with another tag
+    # went the general way (and the next, then, that way too)
+    assert general == [0, 0, 2], general
+
+
+def undecodable_p2p(g, awaited):
+    settle(g)
+    seen = count_general(g, P2P)
+    if g.rank == 0:
+        time.sleep(0.3)  # rank 1 waits for it: the short way reads it
+        g.send(_Refused(), dst=1)
+        time.sleep(0.3)  # (not behind it in the same read)
+        g.send("next", dst=1)
+        return g.all_gather(g.rank)
+    try:
+        if awaited:
+            asyncio.run(g.aio.recv(0))
+        else:
+            g.recv(0)
+    except ctrlcomm.CodecError as e:
+        got = type(e).__name__, str(e), seen[0]
+    else:
+        got = "returned", "", seen[0]
+    # as the general way leaves it: the message is gone, the group goes on
+    return got, g.recv(0), g.all_gather(g.rank)
+
+
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_a_point_to_point_object_read_the_short_way_that_cannot_be_decoded_is_the_recvs_error(
+        awaited):
+    res = run_group(undecodable_p2p, 2, awaited, timeout=60)
+    (kind, text, general), nxt, gathered = res[1]
+    assert kind == "CodecError" and "recv(src=0, tag=0)" in text, res
+    assert "cannot decode the object from rank 0" in text and "ValueError: not here" in text
+    assert general == 0  # it was read the short way
+    assert nxt == "next" and gathered == [0, 1] and res[0] == [0, 1]
+
+
+def closed_while_receiving(g, awaited):
+    import threading
+
+    settle(g)
+    if g.rank == 1:
+        time.sleep(2.0)
+        return None
+    t = time.monotonic()
+    threading.Timer(0.2, g.close).start()
+    try:
+        if awaited:
+            asyncio.run(g.aio.recv(1, timeout=30))
+        else:
+            g.recv(1, timeout=30)
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t
+    return "returned", "", time.monotonic() - t
+
+
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_a_close_ends_a_recv_waiting_the_short_way_at_once(awaited):
+    kind, text, took = run_group(closed_while_receiving, 2, awaited, timeout=60)[0]
+    assert kind == "GroupClosedError", (kind, text)
+    assert took < 0.9, took
