@@ -687,6 +687,7 @@ class Core:
         raw: dict[int, bytearray] = {}  # the payloads read, by sender
         self._xstep = (left, raw, kind, seq, rnd, opcode, root)
         self._xfell = False
+        ended = False
         try:
             while True:
                 if self.mismatch is not None or self.state != "open" or self.gone \
@@ -714,9 +715,23 @@ class Core:
                     continue
                 if self._xtake(ready) or not left:  # (drain reads what it left)
                     break
+            ended = True
         finally:
             ep.xtake = None
             self._xstep = _NO_STEP
+            if kind != _COLL and raw:
+                # a point-to-point message taken: its sender's next number, as _accept
+                # counts (not lowered: what came behind it may have been counted already)
+                for s, taken in raw.items():
+                    if self.p2p_in.get(s, 1) <= seq:
+                        self.p2p_in[s] = seq + 1
+                    if not ended:
+                        # the recv ends without it (cancelled, a close, an error in the
+                        # loop's callback...) after an awaited wait's callback read it: it
+                        # is the next recv's, first in line, as the general way keeps it
+                        self.p2p.setdefault((s, rnd), deque()).appendleft(w.Message(
+                            kind, s, self.group_id, seq, rnd, opcode, root, _PICKLE, taken,
+                            ()))
         for s in recvs:  # (in the order of recvs, as the general way fills reply)
             data = raw.get(s)
             if data is not None:
@@ -1030,11 +1045,14 @@ class Core:
                 self.sent += len(dsts)
             else:
                 name = name or f"send(dst={dst}, tag={tag})"
-                try:
-                    if type(payload) is bytes:
-                        bufs: tuple[Any, ...] = ()
-                    else:
+                try:  # (what the first pass found: encoded on from there, as w.dumps)
+                    bufs: tuple[Any, ...] = ()
+                    if payload is None:  # (no first pass: another codec or transport)
                         payload, bufs = w.dumps(obj, self.codec)
+                    elif payload is w.LARGE:
+                        payload, bufs = w.dumps_large(obj)
+                    elif type(payload) is not bytes:  # the exception pickling raised
+                        raise w.cannot_pickle(obj, payload) from payload
                     if bufs or len(payload) > MAX_PAYLOAD:
                         _check_size(payload, bufs)
                 except CodecError as e:
@@ -1088,8 +1106,7 @@ class Core:
                 reply: dict[int, Any] = {}
                 left = yield from self._express((src,), reply, n, tag, 0, w.NO_ROOT, probe_at,
                                                 name, w.P2P)
-                if not left:
-                    self.p2p_in[src] = n + 1
+                if not left:  # (_express counted it in p2p_in)
                     return reply[src]
                 self.pump()  # what made it stop, seen now (as in collective)
             while True:

@@ -336,3 +336,55 @@ def test_a_close_ends_a_recv_waiting_the_short_way_at_once(awaited):
     kind, text, took = run_group(closed_while_receiving, 2, awaited, timeout=60)[0]
     assert kind == "GroupClosedError", (kind, text)
     assert took < 0.9, took
+
+
+def cancelled_after_its_read(g, how):
+    """Rank 1's awaited recv is cancelled in the loop's turn whose reader callback read its
+    message the short way (the loop stalled while it came): the message is the next recv's,
+    as when the general way had queued it."""
+    settle(g)
+    if g.rank == 0:
+        g.barrier()
+        time.sleep(0.2)
+        g.send("A", 1)
+        g.barrier()  # rank 1's recv has ended
+        g.send("B", 1)
+        return None
+    g.barrier()
+
+    async def stall():
+        await asyncio.sleep(0.05)  # (the recv waits, on the loop)
+        time.sleep(0.5)  # noqa: ASYNC251  # the loop stalls (on purpose): "A" comes meanwhile
+
+    async def main():
+        if how == "cancel":
+            t = asyncio.create_task(g.aio.recv(0))
+            await stall()
+            asyncio.get_running_loop().call_later(0, t.cancel)  # due in the turn that reads
+            try:
+                return "got", await t
+            except asyncio.CancelledError:
+                return "cancelled", None
+        s = asyncio.create_task(stall())
+        try:
+            async with asyncio.timeout(0.2):  # (cancels the recv, in the same turn)
+                return "got", await g.aio.recv(0)
+        except TimeoutError:
+            return "timed out", None
+        finally:
+            await s
+
+    first = asyncio.run(main())
+    g.barrier()
+    return first, g.recv(0, timeout=10), g.recv(0, timeout=10) if first[0] != "got" else None
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+def test_a_recv_cancelled_after_its_message_was_read_leaves_it_for_the_next(how):
+    if how == "timeout" and not hasattr(asyncio, "timeout"):
+        pytest.skip("asyncio.timeout: Python 3.11+")
+    first, nxt, then = run_group(cancelled_after_its_read, 2, how, timeout=60)[1]
+    if first[0] == "got":  # (the cancel came too late: the recv returned it)
+        assert first[1] == "A" and nxt == "B", (first, nxt)
+    else:
+        assert (nxt, then) == ("A", "B"), (first, nxt, then)
