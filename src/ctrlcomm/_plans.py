@@ -60,7 +60,7 @@ def fold(combine: Callable[[Any, Any], Any], vals: Sequence[Any]) -> Any:
     on; by ``combine.fold(vals)``, where it has one (a named op's: one pass instead of a call
     per operand, which a star's root makes N-1 of on every call)."""
     many = getattr(combine, "fold", None)
-    if many is not None and len(vals) > 1:  # (one: itself, as the pairwise way gives it)
+    if many is not None and len(vals) > 2:  # (two: one call costs less than the pass)
         return many(vals)
     acc = vals[0]
     for v in vals[1:]:

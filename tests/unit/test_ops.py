@@ -122,12 +122,13 @@ def test_a_fold_of_many_operands_agrees_with_folding_them_pairwise(op, vals):
     # a root's fold in one pass (plans' fold, by the combiner's .fold) gives what combining
     # the operands one by one, left to right, gives: same value, type and failure
     combine = _ops.combiner(op, "all_reduce", 0)
-    got = _plans.fold(combine, vals)
     want = _pairwise(combine, vals)
-    if isinstance(want, _ops.Failed):
-        assert isinstance(got, _ops.Failed) and (got.message, got.kind) == (want.message, want.kind)
-    else:
-        assert repr(got) == repr(want) and type(got) is type(want)
+    for got in (combine.fold(vals), _plans.fold(combine, vals)):  # (the latter: pairwise for 2)
+        if isinstance(want, _ops.Failed):
+            assert isinstance(got, _ops.Failed)
+            assert (got.message, got.kind) == (want.message, want.kind)
+        else:
+            assert repr(got) == repr(want) and type(got) is type(want)
     assert _plans.fold(lambda a, b: a + b, [1, 2, 3]) == 6  # (a callable without .fold)
 
 
