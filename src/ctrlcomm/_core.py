@@ -81,6 +81,7 @@ HOLD_HIGH = 256
 HOLD_LOW = 64
 MAX_BACKLOG = 4 * 1024 * 1024
 RECENT = 64  # calls whose (op, root) are kept to find a mismatch after a call returned
+BYE_TEXT = 2000  # characters of why a group was broken, said to the peers as it closes
 
 Wait = Generator[float, None, Any]
 
@@ -350,7 +351,9 @@ class Core:
                         and (self.mismatch is None or self.mismatch is self._probe_error):
                     self.mismatch = self._probe_error = self._probed_mismatch(a)
         elif k == w.BYE:
-            self.gone.setdefault(m.src, "closed the group")
+            why = bytes(m.payload).decode(errors="replace")  # (why it was broken, if it was)
+            self.gone.setdefault(m.src, f"closed the group (broken there: {why})" if why
+                                 else "closed the group")
         elif k == w.ABORT:
             reason = bytes(m.payload).decode(errors="replace")
             if reason.startswith(MISMATCH_PREFIX):
@@ -1175,7 +1178,11 @@ class Core:
             if what == "abort":
                 self._tell_peers(w.ABORT, reason)
             else:
-                self._tell_peers(w.BYE, "")
+                # a group closed broken says why: a peer that waited for this rank learns
+                # the first cause (a third rank's abort, say, whose own word may come later)
+                cause = self.cause
+                self._tell_peers(w.BYE, "" if cause is None
+                                 else f"{type(cause).__name__}: {cause}"[:BYE_TEXT])
                 self.ep.close()
 
     def _tell_peers(self, kind: int, text: str, seq: int = 0, rnd: int = 0) -> None:

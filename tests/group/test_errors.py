@@ -851,3 +851,27 @@ def test_rank_failure_is_reported_by_runner():
 
 def _raises(g):
     raise RuntimeError("boom")
+
+
+def waits_for_a_rank_that_breaks(g):
+    """Rank 1's broadcast times out (rank 0 is in a recv, not in it): its group is broken,
+    which nobody is told; then it closes. Rank 0, waiting for it, learns why."""
+    if g.rank == 0:
+        try:
+            g.recv(1, timeout=30)
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__, str(e)
+        return "returned", ""
+    try:
+        g.broadcast(None, src=0, timeout=0.5)
+    except ctrlcomm.CollectiveTimeoutError as e:
+        return type(e).__name__, str(e)
+    return "returned", ""
+
+
+def test_a_peer_that_closes_a_broken_group_says_why():
+    res = run_group(waits_for_a_rank_that_breaks, 2)
+    assert res[1][0] == "CollectiveTimeoutError", res
+    kind, text = res[0]
+    assert kind == "PeerLostError" and "rank 1 closed the group (broken there: " in text, res
+    assert "CollectiveTimeoutError: broadcast #0" in text and "timed out after 0.5 s" in text
