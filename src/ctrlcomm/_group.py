@@ -973,7 +973,9 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     except StoreTimeoutError:
         raise FormationTimeoutError(
             f"group {name!r} not formed within the timeout on rank {rank}: rank 0 did not "
-            "join (is rank 0 alive, and its store?)", missing=[0]) from None
+            "join (is rank 0 alive, and its store? If they are, the group was perhaps formed "
+            f"already without this process: with another process of rank {rank}, or before "
+            "this one came; a formed group leaves no trace in the store)", missing=[0]) from None
     differ = _differ(name, first, {rank: address})
     if differ:
         raise FormationError(differ)

@@ -763,6 +763,28 @@ def test_two_processes_with_one_rank():
     assert "rank 1 already joined" in msg
 
 
+def duplicate_rank_after_formation(i, _, port):
+    """Processes 0 and 1 form a group of two; process 2, also rank 1, comes after."""
+    if i < 2:
+        with ctrlcomm.Group.create("127.0.0.1", port, i, 2, timeout=10):
+            time.sleep(5.0)  # (rank 0's process serves the store meanwhile)
+        return "formed", ""
+    time.sleep(2.0)
+    try:
+        ctrlcomm.Group.create("127.0.0.1", port, 1, 2, timeout=2.0)
+    except ctrlcomm.FormationError as e:
+        return type(e).__name__, str(e)
+    return "formed", ""
+
+
+def test_a_process_with_a_rank_of_a_group_formed_already_is_told_it_may_be_one_too_many():
+    res = run_ranks(duplicate_rank_after_formation, 3, free_port(), timeout=60)
+    assert res[:2] == [("formed", "")] * 2, res
+    kind, text = res[2]
+    assert kind == "FormationTimeoutError" and "rank 0 did not join" in text, res
+    assert "formed already without this process: with another process of rank 1" in text
+
+
 def from_env(rank, size, port, torchrun):
     import os
 
