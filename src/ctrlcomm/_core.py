@@ -197,9 +197,9 @@ class Core:
         self.mismatch: MismatchError | None = None
         # this rank's object the current collective could not send (sent in its place)
         self._send_failed: _ops.Failed | None = None
-        # the step _express waits for: (senders not read yet, payloads read by sender, seq,
-        # round, opcode, root); an error its reads met in an awaited wait's callback; whether
-        # that callback handed anything to the sink (the general way takes over)
+        # the step _express waits for: (senders not read yet, payloads read by sender, kind,
+        # seq, round, opcode, root); an error its reads met in an awaited wait's callback;
+        # whether that callback handed anything to the sink (the general way takes over)
         self._xstep: tuple[dict[int, None], dict[int, Any], int, int, int, int, int] = _NO_STEP
         self._xerror: BaseException | None = None
         self._xfell = False
@@ -1111,9 +1111,8 @@ class Core:
                                                 name, w.P2P)
                 if not left:  # (_express counted it in p2p_in)
                     return reply[src]
-                self.pump()  # what made it stop, seen now (as in collective)
             while True:
-                self.pump()
+                self.pump()  # (first: what made the short way stop, if it ran, seen now)
                 q = self.p2p.get((src, tag))
                 if q:
                     m = q.popleft()
