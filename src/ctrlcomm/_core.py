@@ -122,6 +122,12 @@ def _check_size(payload: Any, bufs: tuple[Any, ...]) -> None:
                          f"than a message carries ({MAX_PAYLOAD:,} bytes): send it in parts")
 
 
+def _send_name(what: str, dst: Any, tag: int) -> str:
+    """A send's name in its errors: ``what``, or ``send(dst=..., tag=...)`` (made only where
+    it is needed: not on the usual send's path)."""
+    return what or f"send(dst={dst}, tag={tag})"
+
+
 def _undecodable(m: w.Message, what: str, seq: int | None, e: Exception) -> CodecError:
     where = what if seq is None else f"{what} #{seq}"
     return CodecError(f"{where}: cannot decode the object from rank {m.src}: "
@@ -1031,10 +1037,10 @@ class Core:
         ``what`` names the call in errors (default: ``send(dst=..., tag=...)``)."""
         self.enter(what or "send")
         dsts = dst if isinstance(dst, tuple) else (dst,)
-        name = what  # (the default, "send(dst=..., tag=...)", made where it is needed)
+        name = what  # (or the default: _send_name)
         try:
             if self.gone or self.suspects:
-                self._unreachable(dsts, name or f"send(dst={dst}, tag={tag})")
+                self._unreachable(dsts, _send_name(name, dst, tag))
             payload = _first_pass(obj) if self._fast else None
             ep, count = self.ep, self.p2p_out
             if type(payload) is bytes and len(payload) < COPY_THRESHOLD:
@@ -1047,7 +1053,7 @@ class Core:
                     count[d] = n + 1
                 self.sent += len(dsts)
             else:
-                name = name or f"send(dst={dst}, tag={tag})"
+                name = _send_name(name, dst, tag)
                 try:  # (what the first pass found: encoded on from there, as w.dumps)
                     bufs: tuple[Any, ...] = ()
                     if payload is None:  # (no first pass: another codec or transport)
@@ -1069,11 +1075,11 @@ class Core:
                     count[d] = n + 1
                     self.sent += 1
             if ep.unflushed:  # else nothing is queued: no backlog to wait out
-                name = name or f"send(dst={dst}, tag={tag})"
+                name = _send_name(name, dst, tag)
                 t = self.timeout if timeout is None else float(timeout)
                 yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None)
             if self.gone or self.suspects:  # lost while it was sent: the rest was dropped
-                self._unreachable(dsts, name or f"send(dst={dst}, tag={tag})")
+                self._unreachable(dsts, _send_name(name, dst, tag))
         finally:
             self.waiting_for = []
             self.leave()

@@ -573,7 +573,7 @@ class _Conn:
 _PREFIX2, _STREAM_MAGIC = w.PREFIX2, w.STREAM_MAGIC
 # the usual message's start, as TcpEndpoint.read_expected compares it
 _EXPRESS, _EXPRESS_SIZE, _EXPRESS_LEAD = w.EXPRESS.unpack_from, w.EXPRESS.size, w.EXPRESS_LEAD
-_HEAD, _MAGIC, _VERSION, _COLL, _PICKLE = w.HEADER.pack, w.MAGIC, w.VERSION, w.COLL, w.PICKLE
+_HEAD, _MAGIC, _VERSION, _PICKLE = w.HEADER.pack, w.MAGIC, w.VERSION, w.PICKLE
 _EPOLLIN = select.EPOLLIN
 FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
 READ_CHUNK = 256 * 1024

@@ -481,8 +481,9 @@ _FSIZE = _FASTR.size
 _LEAD = struct.pack("<2sHQ", STREAM_MAGIC, 2, HEADER.size)
 _MV = struct.pack("<2sB", MAGIC, VERSION)
 assert _FAST2.size == _FSIZE and HEADER.format.startswith("<2sB")
-# the start of a read that begins with a usual message, split where Core._express compares
-# it: (the stream prefix but the payload's length, the payload's length, the header)
+# the start of a read that begins with a usual message, split where
+# TcpEndpoint.read_expected compares it: (the stream prefix but the payload's length, the
+# payload's length, the header)
 EXPRESS = struct.Struct(f"<12sQ{HEADER.size}s")
 EXPRESS_LEAD = _LEAD
 
