@@ -728,6 +728,12 @@ class Core:
         finally:
             ep.xtake = None
             self._xstep = _NO_STEP
+            if self._xerror is not None:
+                # an error in an awaited wait's reader callback, and the call ended (was
+                # cancelled) before it resumed to raise it: not left for a later call to
+                # raise as its own; what that read took may be lost, so the group breaks
+                e, self._xerror = self._xerror, None
+                self.brk(e)
             if kind != _COLL and raw:
                 # a point-to-point message taken: its sender's next number, as _accept
                 # counts (not lowered: what came behind it may have been counted already)

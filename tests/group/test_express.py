@@ -388,3 +388,54 @@ def test_a_recv_cancelled_after_its_message_was_read_leaves_it_for_the_next(how)
         assert first[1] == "A" and nxt == "B", (first, nxt)
     else:
         assert (nxt, then) == ("A", "B"), (first, nxt, then)
+
+
+def reader_fails_and_recv_cancelled(g):
+    """Rank 1's awaited recv waits the short way; the reader callback that wakes it fails,
+    and the recv is cancelled in the same turn of the loop, before it could resume to raise
+    the failure: the group is broken by it, and says so, rather than a later call raising
+    that failure as its own."""
+    settle(g)
+    if g.rank == 0:
+        g.barrier()
+        time.sleep(0.2)
+        g.send("A", 1)
+        try:
+            g.barrier(timeout=20)  # rank 1 never comes: its group broke
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__
+        return "returned"
+    g.barrier()
+    core = g._core
+
+    async def main():
+        t = asyncio.create_task(g.aio.recv(0))
+
+        def failing(ready):
+            t.cancel()
+            raise RuntimeError("the reader failed")
+
+        core._xtake = failing
+        try:
+            return "got", await t
+        except asyncio.CancelledError:
+            return "cancelled", None
+        finally:
+            del core._xtake
+
+    first = asyncio.run(main())
+    try:
+        g.recv(0, timeout=5)
+    except Exception as e:  # noqa: BLE001  # (what the next call raises is the point)
+        nxt = (type(e).__name__, str(e))
+    else:
+        nxt = ("returned", "")
+    g.close()
+    return first, nxt
+
+
+def test_a_failure_of_the_reader_after_its_recv_was_cancelled_breaks_the_group_there():
+    r0, (first, nxt) = run_group(reader_fails_and_recv_cancelled, 2, timeout=60)
+    assert first == ("cancelled", None), first
+    assert nxt[0] == "GroupBrokenError" and "the reader failed" in nxt[1], nxt
+    assert r0 in ("GroupBrokenError", "PeerLostError", "GroupClosedError"), r0
