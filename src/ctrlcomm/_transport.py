@@ -996,14 +996,28 @@ class TcpEndpoint:
         connection, and a second one claiming the same rank is a replay or an impostor
         (whose end must not mean a loss)."""
         for m in msgs:
+            if c.rank is not None:  # identified by a message before it in this read
+                self._deliver(c.rank, [m], sink)
+                continue
             src = sink(m)
-            if src is not None and c.rank is None:
+            if src is not None:
                 if any(o.inbound and o.rank == src for o in self.conns.values()):
                     self._count("duplicate_source")
                     self._drop_conn(c)
                     return False
                 c.rank = src
         return True
+
+    def _deliver(self, rank: int, msgs: list[w.Message | None],
+                 sink: Callable[[w.Message | None], int | None]) -> None:
+        """Hand ``msgs``, read on the connection of peer ``rank``, to ``sink``; one whose
+        header names another sender is dropped (counted): a peer sends as itself only, as
+        the short way (read_expected) checks too. (drain does the same inline.)"""
+        for m in msgs:
+            if m is not None and m.src != rank:
+                self._count("wrong_sender")
+                continue
+            sink(m)
 
     def drain(self, sink: Callable[[w.Message | None], int | None]) -> None:
         """Handle every ready socket now; hand each whole message to ``sink``, decoded
@@ -1049,8 +1063,11 @@ class TcpEndpoint:
                         self._count("malformed_stream")
                         self._drop_conn(c)
                         break
-                    if c.rank is not None:
-                        for m in msgs:
+                    if (rank := c.rank) is not None:
+                        for m in msgs:  # (_deliver, inline)
+                            if m is not None and m.src != rank:
+                                self._count("wrong_sender")  # a peer sends as itself only
+                                continue
                             sink(m)
                     elif not self._identify(c, msgs, sink):
                         break
@@ -1162,8 +1179,7 @@ class TcpEndpoint:
             self._count("malformed_stream")
             self._drop_conn(c)
             return
-        for m in msgs:
-            sink(m)
+        self._deliver(c.rank, msgs, sink)  # type: ignore[arg-type]  # (identified)
         if dec.error is not None:
             self._count("malformed_stream")
             self._drop_conn(c)

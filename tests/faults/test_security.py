@@ -460,3 +460,39 @@ def test_no_leaks_with_peers():
     res = run_ranks(cycles, 3, free_port(), 30, timeout=120)
     for bf, af, bt, at in res:
         assert af - bf <= 2 and at - bt <= 1, (bf, af, bt, at)
+
+
+def speaks_for_another_rank(g):
+    """Rank 2 writes, on its own connection to rank 0, a message whose header says rank 1
+    sent it (rank 1's first point-to-point number: what rank 1's next send to rank 0
+    carries): rank 0 drops it, counted, and takes rank 1's own message."""
+    g.barrier()  # (every connection made)
+    if g.rank == 2:
+        forged = w.encode(w.Message(w.P2P, 1, g._core.group_id, 1, 0, 0, w.NO_ROOT, w.PICKLE,
+                                    pickle.dumps("forged by rank 2")),
+                          key=g._core.key, dst=0)
+        g._core.ep.send(0, forged)
+        g.send("rank 2's own", 0)
+    g.barrier()
+    if g.rank == 1:
+        time.sleep(0.2)  # (rank 2's messages are there first)
+        g.send("rank 1's own", 0)
+    out = []
+    if g.rank == 0:
+        out = [g.recv(2, timeout=10), g.recv(1, timeout=10)]
+        try:
+            out.append(g.recv(1, timeout=0.5))
+        except ctrlcomm.CollectiveTimeoutError:
+            out.append("nothing more")
+        out.append(g.stats()["dropped"].get("wrong_sender", 0))
+        out.append(g.all_reduce(1))
+    else:
+        g.all_reduce(1)
+    g.barrier()
+    return out
+
+
+@pytest.mark.parametrize("key", [None, KEY], ids=["unkeyed", "keyed"])
+def test_a_rank_cannot_speak_for_another_on_its_connection(key):
+    res = run_group(speaks_for_another_rank, 3, group_kwargs={"auth_key": key})
+    assert res[0] == ["rank 2's own", "rank 1's own", "nothing more", 1, 3], res[0]
