@@ -729,11 +729,17 @@ class Core:
             ep.xtake = None
             self._xstep = _NO_STEP
             if self._xerror is not None:
-                # an error in an awaited wait's reader callback, and the call ended (was
-                # cancelled) before it resumed to raise it: not left for a later call to
-                # raise as its own; what that read took may be lost, so the group breaks
+                # an error in an awaited wait's reader callback, and the call was cancelled
+                # before it resumed to raise it: not left for a later call to raise as its
+                # own. A collective's cancellation breaks the group and tells the others
+                # (Core.collective); a recv's leaves the group as it was, but what the
+                # failed read took may be lost: the group breaks, and the others are told.
                 e, self._xerror = self._xerror, None
-                self.brk(e)
+                if kind != _COLL and self.state == "open":
+                    self._tell_peers(w.ABORT, f"{name} on group {self.name!r} failed on rank "
+                                              f"{self.rank} as it was cancelled: "
+                                              f"{type(e).__name__}: {e}"[:BYE_TEXT])
+                    self.brk(e)
             if kind != _COLL and raw:
                 # a point-to-point message taken: its sender's next number, as _accept
                 # counts (not lowered: what came behind it may have been counted already)

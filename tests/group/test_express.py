@@ -5,6 +5,7 @@ way a message goes by when the ranks send, and checks what came out and which wa
 (the general way hands each message to the core's sink: counted here)."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -390,32 +391,49 @@ def test_a_recv_cancelled_after_its_message_was_read_leaves_it_for_the_next(how)
         assert (nxt, then) == ("A", "B"), (first, nxt, then)
 
 
-def reader_fails_and_recv_cancelled(g):
-    """Rank 1's awaited recv waits the short way; the reader callback that wakes it fails,
-    and the recv is cancelled in the same turn of the loop, before it could resume to raise
-    the failure: the group is broken by it, and says so, rather than a later call raising
-    that failure as its own."""
+
+def wait_for_file(path, deadline=20.0):
+    end = time.monotonic() + deadline
+    while not os.path.exists(path):
+        assert time.monotonic() < end, f"{path} never came"
+        time.sleep(0.01)
+
+
+def reader_fails_and_call_cancelled(g, what, flags):
+    """Rank 1's awaited recv (or broadcast) waits the short way; the reader callback that
+    wakes it fails, and the call is cancelled in the same turn of the loop, before it could
+    resume to raise the failure: the group breaks there and rank 0 is told at once (rank 1
+    stays until rank 0 has heard), rather than a later call of rank 1 raising that failure
+    as its own."""
     settle(g)
+    waiting, heard = os.path.join(flags, "waiting"), os.path.join(flags, "heard")
     if g.rank == 0:
-        g.barrier()
-        time.sleep(0.2)
-        g.send("A", 1)
+        wait_for_file(waiting)
+        time.sleep(0.05)
+        if what == "recv":
+            g.send("A", 1)
+        else:
+            g.broadcast("A", src=0)
         try:
-            g.barrier(timeout=20)  # rank 1 never comes: its group broke
+            g.barrier(timeout=10)  # rank 1's group broke: it never comes
         except ctrlcomm.CtrlcommError as e:
-            return type(e).__name__
-        return "returned"
-    g.barrier()
+            out = type(e).__name__, str(e)
+        else:
+            out = "returned", ""
+        open(heard, "w").close()
+        return out
     core = g._core
 
     async def main():
-        t = asyncio.create_task(g.aio.recv(0))
+        t = asyncio.create_task(g.aio.recv(0) if what == "recv" else g.aio.broadcast(None, src=0))
 
         def failing(ready):
             t.cancel()
             raise RuntimeError("the reader failed")
 
         core._xtake = failing
+        await asyncio.sleep(0.05)  # (the call waits, on the loop)
+        open(waiting, "w").close()  # noqa: ASYNC230  # (a flag for rank 0: instant)
         try:
             return "got", await t
         except asyncio.CancelledError:
@@ -430,12 +448,21 @@ def reader_fails_and_recv_cancelled(g):
         nxt = (type(e).__name__, str(e))
     else:
         nxt = ("returned", "")
+    wait_for_file(heard)
     g.close()
     return first, nxt
 
 
-def test_a_failure_of_the_reader_after_its_recv_was_cancelled_breaks_the_group_there():
-    r0, (first, nxt) = run_group(reader_fails_and_recv_cancelled, 2, timeout=60)
+@pytest.mark.parametrize("what", ["recv", "broadcast"])
+def test_a_failure_of_the_reader_of_a_cancelled_call_breaks_the_group_and_tells_the_others(
+        what, tmp_path):
+    told, (first, nxt) = run_group(reader_fails_and_call_cancelled, 2, what, str(tmp_path),
+                                   timeout=60)
     assert first == ("cancelled", None), first
-    assert nxt[0] == "GroupBrokenError" and "the reader failed" in nxt[1], nxt
-    assert r0 in ("GroupBrokenError", "PeerLostError", "GroupClosedError"), r0
+    assert nxt[0] == "GroupBrokenError", nxt
+    if what == "recv":
+        assert "the reader failed" in nxt[1], nxt
+        assert told[0] == "PeerLostError" and "failed on rank 1 as it was cancelled" in told[1] \
+            and "the reader failed" in told[1], told
+    else:  # (a collective's cancellation says so)
+        assert told[0] == "PeerLostError" and "was cancelled on rank 1" in told[1], told
