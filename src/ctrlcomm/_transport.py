@@ -993,18 +993,19 @@ class TcpEndpoint:
                   sink: Callable[[w.Message | None], int | None]) -> bool:
         """Hand the messages of a new connection to ``sink``; its first good one says which
         peer sends on it. False if the connection was dropped: each peer sends on one
-        connection, and a second one claiming the same rank is a replay or an impostor
-        (whose end must not mean a loss)."""
+        connection, and a second one claiming a rank connected already is a replay or an
+        impostor (whose end must not mean a loss): nothing it sends is taken."""
         for m in msgs:
             if c.rank is not None:  # identified by a message before it in this read
                 self._deliver(c.rank, [m], sink)
                 continue
+            if m is not None and any(o.inbound and o.rank == m.src
+                                     for o in self.conns.values()):
+                self._count("duplicate_source")
+                self._drop_conn(c)
+                return False
             src = sink(m)
             if src is not None:
-                if any(o.inbound and o.rank == src for o in self.conns.values()):
-                    self._count("duplicate_source")
-                    self._drop_conn(c)
-                    return False
                 c.rank = src
         return True
 
