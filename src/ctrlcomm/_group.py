@@ -889,6 +889,9 @@ def _missing_ranks(store: StoreClient, keys: list[str], budget: float) -> list[i
 
 ALIKE = ("ws:", "codec:", "tr:")  # the fields of an address every rank must have alike
 ASK_S = 0.5  # how long a formation that timed out asks the store why
+# Where, in a group's namespace of the store, formation keeps its keys (deleted once the group
+# is formed): apart from the keys the ranks set through the group's store client (Group.store)
+FORMATION = "ctrlcomm:formation/"
 
 
 def _alike(address: str) -> dict[str, str]:
@@ -918,7 +921,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
 
     Rank 0 waits for every rank's key, publishes the table (nonce and addresses, plain text:
     nothing here is ever unpickled; or, where the ranks' settings differ, ``!`` and what
-    differs) and, once every rank has read it, deletes the group's keys. A rank that times
+    differs) and, once every rank has read it, deletes its keys (FORMATION). A rank that times
     out asks the store why for at most :data:`ASK_S` more (a store that does not answer
     at all takes its reply slack more, ``REPLY_SLACK_S``).
     """
@@ -926,13 +929,13 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     def left() -> float:
         return max(deadline - time.monotonic(), 0.001)
 
-    ok, held = store.set_if_absent(f"rank/{rank}", address, timeout=left())
+    ok, held = store.set_if_absent(f"{FORMATION}rank/{rank}", address, timeout=left())
     if not ok:
         raise FormationError(
             f"group {name!r}: rank {rank} already joined from {held.decode(errors='replace')} "
             "(two processes with one rank, or a stale key of an earlier group of that name: "
             "use another name or a fresh store)")
-    keys = [f"rank/{r}" for r in range(size)]
+    keys = [f"{FORMATION}rank/{r}" for r in range(size)]
     if rank == 0:
         try:
             store.wait(keys, timeout=left())
@@ -943,7 +946,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
             if joined:  # (those of another world size, say: ranks beyond theirs never come)
                 try:
                     got = store.multi_get(joined, wait=False, timeout=ASK_S)
-                    differ = _differ(name, address, {int(k.split("/")[1]): v.decode()
+                    differ = _differ(name, address, {int(k.rsplit("/", 1)[1]): v.decode()
                                                      for k, v in zip(joined, got, strict=True)})
                 except (StoreError, KeyError):
                     pass
@@ -953,18 +956,20 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         addrs = [a.decode() for a in store.multi_get(keys, timeout=left())]
         differ = _differ(name, address, dict(enumerate(addrs)))
         if differ:
-            store.set("table", "!" + differ, timeout=left())
+            store.set(f"{FORMATION}table", "!" + differ, timeout=left())
             raise FormationError(differ)
         nonce = os.urandom(8).hex()
-        store.set("table", "\n".join([nonce, *addrs]), timeout=left())
+        store.set(f"{FORMATION}table", "\n".join([nonce, *addrs]), timeout=left())
         if size > 1:
             try:
-                store.wait(["done"], timeout=left())
+                store.wait([f"{FORMATION}done"], timeout=left())
             except StoreTimeoutError:
                 raise FormationTimeoutError(
                     f"group {name!r} not formed: not every rank read the address table in time"
                 ) from None
-        store.delete_prefix("", timeout=left())
+        # (the formation's keys only: the ranks may have set keys of their own already,
+        # through the group's store client, since they read the table)
+        store.delete_prefix(FORMATION, timeout=left())
         return nonce, dict(enumerate(addrs))
     # rank 0's settings, as soon as it has joined: a rank created otherwise says so at once
     # (rank 0, waiting for ranks that never come, says it at its deadline)
@@ -981,7 +986,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         raise FormationError(differ)
     while True:
         try:
-            text = store.get("table", timeout=left()).decode()
+            text = store.get(f"{FORMATION}table", timeout=left()).decode()
         except StoreTimeoutError:
             missing = _missing_ranks(store, keys, ASK_S)
             why = f"ranks {missing} did not join" if missing else \
@@ -998,8 +1003,8 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
             raise FormationError(f"group {name!r}: the store holds a table that does not "
                                  f"match this group (rank {rank})")
         time.sleep(0.05)
-    if store.add("acks", 1, timeout=left()) == size - 1:
-        store.set("done", "1", timeout=left())
+    if store.add(f"{FORMATION}acks", 1, timeout=left()) == size - 1:
+        store.set(f"{FORMATION}done", "1", timeout=left())
     return lines[0], dict(enumerate(lines[1:]))
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import ctrlcomm
-from ctrlcomm.testing import free_port
+from ctrlcomm.testing import free_port, run_ranks
 
 
 def test_client_calls(store):
@@ -182,3 +182,27 @@ def test_store_servers_made_and_closed_in_a_row_all_start():
         s = ctrlcomm.StoreServer("127.0.0.1", 0)
         s.close()
         del s
+
+
+def keys_right_after_formation(rank, size, port, api):
+    """Each rank sets a key through the group's store client as soon as its group is formed
+    (as vLLM code does with ``pg.store``), then reads every rank's."""
+    if api == "vllm":
+        g = ctrlcomm.StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    else:
+        g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30)
+    with g:
+        g.store.set(f"ready/{rank}", b"yes")
+        got = [g.store.get(f"ready/{r}", timeout=10) for r in range(size)]
+        g.barrier()  # (nobody closes, and so stops the store, before everyone has read)
+    return got
+
+
+@pytest.mark.parametrize("api", ["group", "vllm"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_keys_set_through_the_store_right_after_formation_stay(size, api):
+    # (rank 0 deleted the whole namespace once every rank had read the address table: a key
+    # set by a quicker rank went with it; a few rounds, as that was a race)
+    for _ in range(3):
+        assert run_ranks(keys_right_after_formation, size, free_port(), api, timeout=60) \
+            == [[b"yes"] * size] * size
