@@ -267,7 +267,10 @@ class ZmqEndpoint:
         s = self._sock(dst)
         last = len(frames) - 1
         for i, f in enumerate(frames):
-            big = not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_THRESHOLD
+            # (zero-copy only for a large frame that cannot change: ZeroMQ's I/O thread
+            # reads it after this returns, w.immutable)
+            big = not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_THRESHOLD \
+                and w.immutable(f)
             s.send(f, (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT, copy=not big)
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
@@ -879,14 +882,17 @@ class TcpEndpoint:
                 self._queue(out[dst], parts, n)
 
     def _queue(self, c: _Conn, parts: list[Any], skip: int) -> None:
-        """Queue ``parts`` but their first ``skip`` bytes (already sent) for ``c``."""
+        """Queue ``parts`` but their first ``skip`` bytes (already sent) for ``c``: a copy
+        of what may change once the send has returned (an array's memory, a bytearray: not
+        :func:`w.immutable`), a view of the rest."""
         views = []
         for p in parts:
             v = memoryview(p).cast("B")
             if skip >= v.nbytes:
                 skip -= v.nbytes
                 continue
-            views.append(v[skip:])  # never empty: skip < v.nbytes here
+            # (never empty: skip < v.nbytes here)
+            views.append(v[skip:] if w.immutable(p) else memoryview(bytes(v[skip:])))
             skip = 0
         size = sum(v.nbytes for v in views)
         if size < COPY_THRESHOLD and len(views) > 1:

@@ -59,6 +59,11 @@ MSGPACK = 2
 CODECS = frozenset({RAW, PICKLE, MSGPACK})
 
 FLAG_MAC = 1
+# Every out-of-band buffer of the message is immutable on the sender (bytes: w.immutable), so
+# the receiver keeps each as bytes (a large bytes object is then unpickled onto its frame, not
+# copied again); without it they become writable bytearrays (_writable)
+FLAG_IMMUTABLE = 2
+FLAG_IMMUTABLE_AT = 6  # its byte in the header
 MAC_SIZE = 16
 NO_ROOT = -1
 MAX_OOB = 1024
@@ -131,9 +136,16 @@ def frames(kind: int, src: int, group_id: int, seq: int, rnd: int, op: int, root
     if key:
         return frames_for((dst,), kind, src, group_id, seq, rnd, op, root, codec, payload,
                           buffers, key)[0]
-    header = HEADER.pack(MAGIC, VERSION, kind, op, codec, 0, src, group_id, seq, rnd, root,
-                         len(buffers))
-    return [header, payload, *buffers] if buffers else [header, payload]
+    if not buffers:
+        return [HEADER.pack(MAGIC, VERSION, kind, op, codec, 0, src, group_id, seq, rnd, root,
+                            0), payload]
+    header = HEADER.pack(MAGIC, VERSION, kind, op, codec, _buffer_flags(buffers), src,
+                         group_id, seq, rnd, root, len(buffers))
+    return [header, payload, *buffers]
+
+
+def _buffer_flags(buffers: Sequence[Any]) -> int:
+    return FLAG_IMMUTABLE if buffers and all(immutable(b) for b in buffers) else 0
 
 
 def sign_each(frames: list[Any], key: bytes, dsts: Sequence[int]) -> list[list[Any]]:
@@ -153,8 +165,8 @@ def frames_for(dsts: Sequence[int], kind: int, src: int, group_id: int, seq: int
                op: int, root: int, codec: int, payload: Any, buffers: tuple[Any, ...],
                key: bytes) -> list[list[Any]]:
     """The frames of one message for each of ``dsts`` (with ``key``: each its own MAC)."""
-    header = HEADER.pack(MAGIC, VERSION, kind, op, codec, FLAG_MAC, src, group_id, seq, rnd,
-                         root, len(buffers))
+    header = HEADER.pack(MAGIC, VERSION, kind, op, codec, FLAG_MAC | _buffer_flags(buffers),
+                         src, group_id, seq, rnd, root, len(buffers))
     return sign_each([header, payload, *buffers], key, dsts)
 
 
@@ -190,8 +202,9 @@ def decode(frames: Sequence[Any], key: bytes | None = None, dst: int = -1) -> Me
     if codec not in CODECS:
         raise WireError(f"unknown codec {codec}")
     has_mac = bool(flags & FLAG_MAC)
-    if flags & ~FLAG_MAC:
-        raise WireError(f"unknown flags {flags:#x}")
+    if flags & ~(FLAG_MAC | FLAG_IMMUTABLE) or (flags & FLAG_IMMUTABLE and not nbuf):
+        raise WireError(f"unknown flags {flags:#x}" if flags & ~(FLAG_MAC | FLAG_IMMUTABLE)
+                        else "immutable-buffers flag without buffers")
     if nbuf > MAX_OOB or len(frames) != 2 + nbuf + has_mac:
         raise WireError(f"frame count {len(frames)} does not match header ({nbuf} buffers)")
     if key:
@@ -203,7 +216,27 @@ def decode(frames: Sequence[Any], key: bytes | None = None, dst: int = -1) -> Me
             raise WireError("bad MAC")  # (or one made for another rank)
     elif has_mac:
         raise WireError("authenticated frame on a group without a key")
-    return Message(kind, src, gid, seq, rnd, op, root, codec, frames[1], tuple(frames[2 : 2 + nbuf]))
+    return Message(kind, src, gid, seq, rnd, op, root, codec, frames[1],
+                   () if not nbuf else tuple(frames[2 : 2 + nbuf]) if flags & FLAG_IMMUTABLE
+                   else _writable(frames[2 : 2 + nbuf]))
+
+
+def immutable(buf: Any) -> bool:
+    """Whether ``buf`` (a frame to send) can never change: bytes, or a view of bytes. A
+    transport may send only such a frame after its send call has returned (queued, or by
+    ZeroMQ's I/O thread) without a copy: an array's or a bytearray's memory may be changed
+    by the caller as soon as the call returns, and what was sent must not change with it."""
+    return type(buf) is bytes or (type(buf) is memoryview and type(buf.obj) is bytes)
+
+
+def _writable(bufs: Sequence[Any]) -> tuple[Any, ...]:
+    """A message's out-of-band buffers (not FLAG_IMMUTABLE), each writable: what is unpickled
+    onto them is what the receiver owns, as a numpy array unpickled from an in-band pickle
+    (or by mpi4py, or torch.distributed's object collectives) is: writable. The stream
+    decoder makes them bytearrays already (the one copy out of the receive buffer); a frame of
+    another transport that is read-only (bytes, from ZeroMQ) is copied into one."""
+    return tuple(b if type(b) is bytearray or not memoryview(b).readonly else bytearray(b)
+                 for b in bufs)
 
 
 # ----------------------------------------------------------------------------------- codecs
@@ -221,13 +254,20 @@ class _OutOfBand:
     def __reduce_ex__(self, protocol: Any) -> Any:
         if type(self.obj) is bytes:
             return _bytes_of, (pickle.PickleBuffer(self.obj),)
-        return type(self.obj), (pickle.PickleBuffer(self.obj),)
+        return _bytearray_of, (pickle.PickleBuffer(self.obj),)
 
 
 def _bytes_of(buf: Any) -> bytes:
     """Unpickles an out-of-band bytes object: the received frame itself when it is one (the
-    unpickler hands over the buffer object it was given), so 1 MiB is not copied again."""
+    unpickler hands over the buffer object it was given), else a copy (a received frame is a
+    writable bytearray, :func:`_writable`, seen here through a read-only view)."""
     return buf if type(buf) is bytes else bytes(buf)
+
+
+def _bytearray_of(buf: Any) -> bytearray:
+    """Unpickles an out-of-band bytearray: the received frame itself when it is one (no
+    second copy of a large one), else a copy."""
+    return buf if type(buf) is bytearray else bytearray(buf)
 
 
 def _wrap_large(obj: Any, depth: int = 0) -> Any:
@@ -503,6 +543,14 @@ def stream_prefix_lens(lens: Sequence[int]) -> bytes:
     return st.pack(STREAM_MAGIC, n, *lens)
 
 
+def _buffer_type(header: bytes) -> type:
+    """What the stream decoder makes a message's frames after the first two of (its
+    out-of-band buffers, and a MAC): bytes where the header says they are immutable
+    (FLAG_IMMUTABLE), else writable bytearrays, so that :func:`decode` need not copy them."""
+    return bytes if len(header) > FLAG_IMMUTABLE_AT and \
+        header[FLAG_IMMUTABLE_AT] & FLAG_IMMUTABLE else bytearray
+
+
 class StreamDecoder:
     """Incremental decoder of the stream framing."""
 
@@ -596,9 +644,9 @@ class StreamDecoder:
             p = pos + st.size
             if p + sum(lens) > end or sum(lens) > self.max_message:
                 return None
-            frames = []
-            for ln in lens:
-                frames.append(bytes(view[p : p + ln]))
+            frames: list[bytes] = []
+            for i, ln in enumerate(lens):  # (out-of-band buffers writable: _buffer_type)
+                frames.append((bytes if i < 2 else _buffer_type(frames[0]))(view[p : p + ln]))
                 p += ln
             out.append(frames)
             pos = p
@@ -627,10 +675,11 @@ class StreamDecoder:
             if len(buf) - pos < total:
                 break
             p = pos + self._head
-            frames = []
+            frames: list[bytes] = []
             with memoryview(buf) as view:  # a slice of the view: one copy, not two
-                for ln in self._lens:
-                    frames.append(bytes(view[p : p + ln]))
+                for i, ln in enumerate(self._lens):  # (buffers writable, as in _whole)
+                    frames.append((bytes if i < 2 else _buffer_type(frames[0]))(
+                        view[p : p + ln]))
                     p += ln
             out.append(frames)
             pos += total

@@ -217,6 +217,52 @@ def test_large_bytes_alone_go_out_of_band_and_load_without_a_copy():
     payload, bufs = w.dumps(bytearray(big), w.PICKLE)
     got = w.loads(payload, (bytes(bufs[0]),), w.PICKLE)
     assert type(got) is bytearray and got == big
+    frame = bytearray(bufs[0])
+    assert w.loads(payload, (frame,), w.PICKLE) is frame
+
+
+def _through_a_stream(msg, key=None):
+    """The message as the receiving rank's stream decoder and decode() hand it over."""
+    frames = w.encode(msg, key, 3)
+    data = bytes(w.stream_prefix(frames)) + b"".join(bytes(f) for f in frames)
+    (got,) = w.StreamDecoder().feed(data)
+    return got, w.decode(got, key, 3)
+
+
+@pytest.mark.parametrize("key", [None, b"k"])
+def test_received_buffers_are_bytes_only_where_all_were_immutable(key):
+    # a message whose out-of-band buffers are all bytes says so (FLAG_IMMUTABLE): they arrive
+    # as bytes (a large bytes object is unpickled onto its frame); any other arrives as
+    # writable bytearrays, over a stream (the decoder makes them so) or another transport
+    big = b"b" * w.OOB_THRESHOLD
+    for obj, immutable in ((big, True), ({"x": big, "y": big * 2}, True),
+                           (bytearray(big), False), ({"x": big, "y": bytearray(big)}, False)):
+        payload, bufs = w.dumps(obj, w.PICKLE)
+        msg = w.Message(w.P2P, 1, 7, 0, 0, 0, w.NO_ROOT, w.PICKLE, payload, tuple(bufs))
+        frames, m = _through_a_stream(msg, key)
+        assert bool(frames[0][6] & w.FLAG_IMMUTABLE) is immutable
+        assert {type(b) for b in m.buffers} == {bytes if immutable else bytearray}
+        assert w.loads(m.payload, m.buffers, m.codec) == obj
+        other = w.decode([bytes(f) for f in frames], key, 3)  # (as ZeroMQ hands them over)
+        assert {type(b) for b in other.buffers} == {bytes if immutable else bytearray}
+    plain = w.encode(w.Message(w.P2P, 1, 7, 0, 0, 0, w.NO_ROOT, w.PICKLE, b"p"))
+    assert plain[0][6] == 0
+    flagged = [plain[0][:6] + bytes([w.FLAG_IMMUTABLE]) + plain[0][7:], plain[1]]
+    with pytest.raises(WireError, match="without buffers"):
+        w.decode(flagged)
+
+
+def test_a_large_array_arrives_writable_and_its_own():
+    np = pytest.importorskip("numpy")
+    arr = np.arange(1 << 14, dtype=np.int64)  # 128 KiB: out of band
+    payload, bufs = w.dumps({"a": arr}, w.PICKLE)
+    assert len(bufs) == 1
+    msg = w.Message(w.COLL, 1, 7, 0, 0, 0, w.NO_ROOT, w.PICKLE, payload, tuple(bufs))
+    for _frames, m in (_through_a_stream(msg), _through_a_stream(msg, b"k")):
+        got = w.loads(m.payload, m.buffers, m.codec)["a"]
+        assert got.flags.writeable and got.tolist() == arr.tolist()
+        got += 1
+        assert arr[0] == 0 and got[0] == 1
 
 
 def _group_msg(draw_kind, src, seq, payload):
