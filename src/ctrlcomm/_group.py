@@ -14,7 +14,8 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from . import _ops, _plans
@@ -124,15 +125,34 @@ def _tag_arg(core: Core, tag: Any, op: str) -> int:
 
 
 def _per_rank(core: Core, objs: Any, op: str) -> list[Any]:
-    if isinstance(objs, (str, bytes)) or not isinstance(objs, Sequence):
+    """``objs``, one object per rank, as a list: from a sequence, or any sized iterable in
+    order (a numpy array or a tensor: its rows, or elements, as mpi4py takes them); not
+    from text, bytes, a mapping or a set (which would scatter characters, bytes, keys or
+    members in no order)."""
+    n: int | None = None
+    if not isinstance(objs, (str, bytes, bytearray, memoryview, Mapping, AbstractSet)) \
+            and isinstance(objs, Iterable) and isinstance(objs, Sized):
+        try:
+            n = len(objs)
+        except TypeError:  # (a 0-d array: sized in type only)
+            pass
+    if n is None:
         raise InvalidArgumentError(
             f"{op} on rank {core.rank}: objs must be a sequence of {core.size} objects (one "
             f"per rank), got {type(objs).__name__}")
-    if len(objs) != core.size:
+    if n != core.size:
         raise InvalidArgumentError(
-            f"{op} on rank {core.rank}: objs has {len(objs)} objects, group {core.name!r} has "
+            f"{op} on rank {core.rank}: objs has {n} objects, group {core.name!r} has "
             f"{core.size} ranks (one object per rank)")
-    return list(objs)
+    try:
+        out = list(objs)
+    except Exception as e:
+        raise InvalidArgumentError(f"{op} on rank {core.rank}: iterating over objs failed: "
+                                   f"{type(e).__name__}: {e}") from e
+    if len(out) != n:  # (an iterable that yields other than it says)
+        raise InvalidArgumentError(
+            f"{op} on rank {core.rank}: objs gave {len(out)} objects where its len() is {n}")
+    return out
 
 
 def _encodable(core: Core, objs: Sequence[Any], op: str) -> None:
@@ -750,7 +770,9 @@ class Group:
 
     def scatter(self, objs: Sequence[Any] | None, src: int = 0, *,
                 timeout: float | None = None) -> Any:
-        """Rank ``i`` gets ``objs[i]`` from ``src``; ``objs`` matters only on ``src``."""
+        """Rank ``i`` gets ``objs[i]`` from ``src``; ``objs`` matters only on ``src``: a
+        sequence of one object per rank, or any sized iterable of them (a numpy array: its
+        rows), not text, bytes, a mapping or a set."""
         return _run_sync(self._core, _spec_scatter(self._core, objs, src), timeout)
 
     def reduce(self, obj: Any, op: _ops.Op = "sum", dst: int = 0, *,

@@ -897,3 +897,41 @@ def test_a_peer_that_closes_a_broken_group_says_why():
     kind, text = res[0]
     assert kind == "PeerLostError" and "rank 1 closed the group (broken there: " in text, res
     assert "CollectiveTimeoutError: broadcast #0" in text and "timed out after 0.5 s" in text
+
+
+def scatter_and_all_to_all_of_arrays(g):
+    import numpy as np
+    import torch
+
+    r, n = g.rank, g.world_size
+    got = [
+        g.scatter(np.arange(n) * 10 if r == 0 else None, src=0),  # its elements
+        g.scatter(np.arange(2 * n).reshape(n, 2) if r == 0 else None, src=0).tolist(),  # rows
+        g.all_to_all(np.full(n, r)),
+        g.scatter(torch.arange(n) + 1 if r == 0 else None, src=0).item(),
+        g.all_to_all(range(r * n, r * n + n)),
+        g.all_to_all(__import__("collections").deque([r] * n)),
+    ]
+    errors = []
+    for bad in ({i: i for i in range(n)}, set(range(n)), "x" * n, b"x" * n,
+                np.int64(3), np.array(5), iter(range(n))):
+        try:
+            g.scatter(bad if r == 0 else None, src=0)
+        except ctrlcomm.InvalidArgumentError as e:
+            errors.append(str(e))
+    return [int(got[0]), got[1], [int(x) for x in got[2]], *got[3:]], errors, g.all_reduce(1)
+
+
+def test_scatter_and_all_to_all_take_arrays_and_other_sized_iterables():
+    # (as mpi4py's do: a numpy array of one object per rank, its elements or rows; they took
+    # only a Sequence and refused an array as "not a sequence")
+    pytest.importorskip("numpy")
+    pytest.importorskip("torch")
+    n = 3
+    for r, (got, errors, after) in enumerate(run_group(scatter_and_all_to_all_of_arrays, n)):
+        assert got == [10 * r, [2 * r, 2 * r + 1], list(range(n)), r + 1,
+                       [i * n + r for i in range(n)], list(range(n))], (r, got)
+        assert len(errors) == 7 and after == n, (r, errors)
+        for e, name in zip(errors, ["dict", "set", "str", "bytes", "int64", "ndarray",
+                                    "range_iterator"], strict=True):
+            assert "scatter on rank 0" in e and name in e, e
