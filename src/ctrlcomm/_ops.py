@@ -110,7 +110,23 @@ def _elementwise(leaf: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
         return make(out) if make is not None else t(out)
     if isinstance(b, (tuple, list)):
         raise TypeError(f"cannot combine a {type(a).__name__} with a {type(b).__name__}")
+    sa = _shape(a)
+    if sa != _shape(b):  # (arrays of other shapes: numpy and torch would broadcast them)
+        raise ValueError(f"operands have different shapes ({_show_shape(sa)} and "
+                         f"{_show_shape(_shape(b))})")
     return leaf(a, b)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    """The shape of a numpy array or torch tensor; () for anything else (a number, or a
+    numpy or torch scalar, which combine with numbers as numbers)."""
+    if _array_module(x) is None:
+        return ()
+    return tuple(getattr(x, "shape", ()))
+
+
+def _show_shape(shape: tuple[int, ...]) -> str:
+    return f"shape {shape}" if shape else "a scalar"
 
 
 def resolve(op: Op, opname: str, rank: int) -> Callable[[Any, Any], Any]:

@@ -361,6 +361,28 @@ def test_reduction_error_raised_on_every_rank_group_still_works(n):
         assert after == n
 
 
+def arrays_of_other_shapes(g):
+    import numpy as np
+
+    out = []
+    for mine in (np.ones(3) if g.rank != 1 else np.ones((2, 3)),  # (would broadcast)
+                 np.ones(4) if g.rank != 2 else 1.0):
+        try:
+            out.append(g.all_reduce(mine).tolist())
+        except ctrlcomm.ReductionError as e:
+            out.append(str(e))
+    return out, g.all_reduce(np.ones(2)).tolist()
+
+
+def test_arrays_of_other_shapes_fail_a_reduction_on_every_rank():
+    # (as lists of other lengths do, not a result of numpy's broadcasting shape)
+    pytest.importorskip("numpy")
+    for r, (errors, after) in enumerate(run_group(arrays_of_other_shapes, 3)):
+        assert len(errors) == 2 and all("different shapes" in e for e in errors), (r, errors)
+        assert "(2, 3)" in errors[0] and "a scalar" in errors[1], errors
+        assert after == [3.0, 3.0]
+
+
 def one_rank_with_a_bad_operand(g, codec_note):
     """Only rank 0's operand cannot be summed: every rank must fail that call (not rank 0
     alone, which would leave the others waiting, or pair them with its next call)."""

@@ -64,6 +64,27 @@ def test_numpy_arrays():
     assert got.tolist() == [4, 5]
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_arrays_of_other_shapes_do_not_combine(lib):
+    # (numpy and torch broadcast them: a (3,) and a (2, 3) summed to a (2, 3), and an array
+    # and a number to an array, where MPI and torch.distributed want one shape everywhere)
+    m = pytest.importorskip(lib)
+    f = _ops.combiner("sum", "all_reduce", 0)
+    one = m.ones(3)
+    for other, seen in ((m.ones((2, 3)), "shape (2, 3)"), (m.ones(1), "shape (1,)"),
+                        (2, "a scalar"), (m.ones(()), "a scalar")):
+        for a, b in ((one, other), (other, one)):
+            bad = f(a, b)
+            assert isinstance(bad, _ops.Failed), (a, b, bad)
+            assert "different shapes" in bad.message and seen in bad.message
+            assert "shape (3,)" in bad.message
+    assert f(one, m.ones(3)).tolist() == [2.0] * 3
+    assert float(f(m.ones(()), 2)) == 3.0  # (0-d: a scalar, with numbers)
+    assert [x.tolist() for x in f([one, (one,)], [one, (one,)])[:1]] == [[2.0] * 3]
+    bad = f([one, 1], [m.ones(4), 1])  # (inside a list too)
+    assert isinstance(bad, _ops.Failed) and "shape (4,)" in bad.message
+
+
 _plain = st.one_of(st.integers(-(2**70), 2**70), st.booleans(),
                    st.floats(allow_nan=True, allow_infinity=True))
 _operand = st.one_of(_plain, st.lists(_plain, max_size=4), st.tuples(_plain, _plain),
