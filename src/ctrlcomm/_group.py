@@ -436,13 +436,17 @@ def _group_id(name: str, nonce: str) -> int:
 
 
 def _validate_world(rank: Any, world_size: Any) -> tuple[int, int]:
-    try:
+    try:  # (a bool is an int to Python, never a rank or a size: as in the collectives)
+        if isinstance(world_size, bool):
+            raise TypeError
         ws = operator.index(world_size)
     except TypeError:
         raise InvalidArgumentError(f"world_size must be an int, got {show(world_size)}") from None
     if ws < 1:
         raise InvalidArgumentError(f"world_size must be >= 1, got {ws}")
     try:
+        if isinstance(rank, bool):
+            raise TypeError
         r = operator.index(rank)
     except TypeError:
         raise InvalidArgumentError(f"rank must be an int, got {show(rank)}") from None
@@ -592,10 +596,10 @@ class Group:
         if host_store is None:
             host_store = rank == 0
         deadline = time.monotonic() + t
-        if liveness_timeout is not None and not float(liveness_timeout) > 0:
+        if liveness_timeout is not None and not _seconds(liveness_timeout) > 0:
             raise InvalidArgumentError(f"liveness_timeout must be > 0 or None, got "
                                        f"{show(liveness_timeout)}")
-        if not float(heartbeat_interval) > 0:
+        if not _seconds(heartbeat_interval) > 0:
             raise InvalidArgumentError(f"heartbeat_interval must be > 0, got "
                                        f"{show(heartbeat_interval)}")
         server = _acquire_server(host, port, key, encrypt) if host_store else None

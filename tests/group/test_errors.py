@@ -691,6 +691,19 @@ def test_invalid_rank_and_world_size():
         ctrlcomm.Group.create("127.0.0.1", port, "0", 2)
     with pytest.raises(ctrlcomm.InvalidArgumentError, match="codec"):
         ctrlcomm.Group.create("127.0.0.1", port, 0, 1, codec="json")
+    # (a bool is an int to Python; it was taken as rank 1, or a world of 1)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="rank must be an int, got True"):
+        ctrlcomm.Group.create("127.0.0.1", port, True, 2)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="world_size must be an int"):
+        ctrlcomm.StatelessProcessGroup.create("127.0.0.1", port, 0, True)
+
+
+@pytest.mark.parametrize("setting", ["liveness_timeout", "heartbeat_interval"])
+@pytest.mark.parametrize("value", ["x", [1], 0, -1.0, float("nan")])
+def test_bad_liveness_settings_are_named(setting, value):
+    # ("x" and [1] raised float()'s own ValueError / TypeError)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match=f"{setting} must be > 0"):
+        ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, **{setting: value})
 
 
 def test_port_in_use_names_the_address():
