@@ -949,18 +949,51 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     nothing here is ever unpickled; or, where the ranks' settings differ, ``!`` and what
     differs) and, once every rank has read it, deletes its keys (FORMATION). A rank that times
     out asks the store why for at most :data:`ASK_S` more (a store that does not answer
-    at all takes its reply slack more, ``REPLY_SLACK_S``).
+    at all takes its reply slack more, ``REPLY_SLACK_S``). A rank whose formation fails
+    takes its key back (and rank 0 its table), so that it can try again with the same name
+    (:func:`_withdraw`); the acknowledgements are counted per table (its nonce), so that a
+    late one of a failed try never counts toward the next.
     """
-
-    def left() -> float:
-        return max(deadline - time.monotonic(), 0.001)
-
-    ok, held = store.set_if_absent(f"{FORMATION}rank/{rank}", address, timeout=left())
+    ok, held = store.set_if_absent(f"{FORMATION}rank/{rank}", address,
+                                   timeout=max(deadline - time.monotonic(), 0.001))
     if not ok:
         raise FormationError(
             f"group {name!r}: rank {rank} already joined from {held.decode(errors='replace')} "
             "(two processes with one rank, or a stale key of an earlier group of that name: "
             "use another name or a fresh store)")
+    # what _join did that a failure must undo, or keep: "table" (rank 0 published an
+    # address table), "differ" (the ranks' settings differ: the keys stay, see _withdraw)
+    done: set[str] = set()
+    try:
+        return _join(store, address, rank, size, name, deadline, done)
+    except BaseException:
+        if "differ" not in done:
+            _withdraw(store, rank, "table" in done)
+        raise
+
+
+def _withdraw(store: StoreClient, rank: int, table: bool) -> None:
+    """After a failed formation, best effort, briefly: delete this rank's key and (rank 0,
+    ``table``) the address table it published. A key left behind made the next try of
+    this rank fail at once ("already joined"), or a rank 0 coming later pair it with the
+    address of the process that gave up. (Not where the ranks' settings differ: rank 0
+    names the ranks created otherwise from their keys, and a table that says so is for
+    the others to read; a try again needs the settings changed, or another name.)"""
+    keys = [f"{FORMATION}rank/{rank}"] + ([f"{FORMATION}table"] if table else [])
+    for k in keys:
+        try:
+            store.delete(k, timeout=ASK_S)
+        except (StoreError, OSError):
+            pass  # (the store is gone, or does not answer: nothing to clean, or no way to)
+
+
+def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
+          deadline: float, done: set[str]) -> tuple[str, dict[int, str]]:
+    """:func:`_rendezvous` once this rank's key is set; ``done``: see there."""
+
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.001)
+
     keys = [f"{FORMATION}rank/{r}" for r in range(size)]
     if rank == 0:
         try:
@@ -982,13 +1015,15 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         addrs = [a.decode() for a in store.multi_get(keys, timeout=left())]
         differ = _differ(name, address, dict(enumerate(addrs)))
         if differ:
+            done.add("differ")
             store.set(f"{FORMATION}table", "!" + differ, timeout=left())
             raise FormationError(differ)
         nonce = os.urandom(8).hex()
+        done.add("table")
         store.set(f"{FORMATION}table", "\n".join([nonce, *addrs]), timeout=left())
         if size > 1:
             try:
-                store.wait([f"{FORMATION}done"], timeout=left())
+                store.wait([f"{FORMATION}done/{nonce}"], timeout=left())
             except StoreTimeoutError:
                 raise FormationTimeoutError(
                     f"group {name!r} not formed: not every rank read the address table in time"
@@ -1009,6 +1044,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
             "this one came; a formed group leaves no trace in the store)", missing=[0]) from None
     differ = _differ(name, first, {rank: address})
     if differ:
+        done.add("differ")
         raise FormationError(differ)
     while True:
         try:
@@ -1021,6 +1057,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
                 f"group {name!r} not formed within the timeout on rank {rank}: {why}",
                 missing=missing) from None
         if text.startswith("!"):  # rank 0 found the ranks' settings differ
+            done.add("differ")
             raise FormationError(text[1:])
         lines = text.split("\n")
         if len(lines) == size + 1 and lines[1 + rank] == address:  # else: a stale table
@@ -1029,8 +1066,8 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
             raise FormationError(f"group {name!r}: the store holds a table that does not "
                                  f"match this group (rank {rank})")
         time.sleep(0.05)
-    if store.add(f"{FORMATION}acks", 1, timeout=left()) == size - 1:
-        store.set(f"{FORMATION}done", "1", timeout=left())
+    if store.add(f"{FORMATION}acks/{lines[0]}", 1, timeout=left()) == size - 1:
+        store.set(f"{FORMATION}done/{lines[0]}", "1", timeout=left())
     return lines[0], dict(enumerate(lines[1:]))
 
 

@@ -970,3 +970,45 @@ def test_scatter_and_all_to_all_take_arrays_and_other_sized_iterables():
         for e, name in zip(errors, ["dict", "set", "str", "bytes", "int64", "ndarray",
                                     "range_iterator"], strict=True):
             assert "scatter on rank 0" in e and name in e, e
+
+
+def retried_after_a_timeout(rank, size, port, store_port, api):
+    """The rank that comes first gives up (the other is not there yet) and tries again, as
+    a launcher would; the other comes while the first waits in its second try."""
+    import time
+
+    first = "timeout" if (rank == 0) == (store_port == 0) else None  # (who gives up first)
+    host_port = port if store_port == 0 else store_port
+
+    def create(timeout):
+        if api == "vllm":
+            return ctrlcomm.StatelessProcessGroup.create("127.0.0.1", host_port, rank, size,
+                                                         store_timeout=timeout)
+        return ctrlcomm.Group.create("127.0.0.1", host_port, rank, size, name="retry",
+                                     timeout=timeout, host_store=store_port == 0 and rank == 0)
+
+    if first:
+        try:
+            create(1)
+            return "formed without the other rank"
+        except (ctrlcomm.FormationTimeoutError, TimeoutError) as e:
+            assert isinstance(e, TimeoutError)  # (vLLM's callers catch this one)
+    else:
+        time.sleep(3)
+    g = create(30)
+    with g:
+        return g.all_gather_obj(rank) if api == "vllm" else g.all_gather(rank)
+
+
+@pytest.mark.parametrize(("store", "api"), [
+    ("rank 0's, rank 0 retries", "group"), ("rank 0's, rank 0 retries", "vllm"),
+    ("external, rank 1 retries", "group")])  # (StatelessProcessGroup: rank 0 hosts the store)
+def test_a_rank_whose_formation_timed_out_can_try_again(store, api):
+    # (its key stayed in the store: its second try failed at once, "rank 0 already joined",
+    # or a rank 0 coming later paired the other with the address of the try that gave up)
+    if store.startswith("external"):
+        with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
+            res = run_ranks(retried_after_a_timeout, 2, 0, srv.port, api, timeout=90)
+    else:
+        res = run_ranks(retried_after_a_timeout, 2, free_port(), 0, api, timeout=90)
+    assert res == [[0, 1], [0, 1]]
