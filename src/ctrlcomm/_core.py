@@ -489,8 +489,18 @@ class Core:
         if self.state == "closed":
             raise GroupClosedError(f"group {self.name!r} (rank {self.rank}) is closed")
         if self.state == "broken":
-            raise GroupBrokenError(f"group {self.name!r} (rank {self.rank}) is broken: "
-                                   f"{self.cause}") from self.cause
+            raise self._broken_error()
+
+    def _broken_error(self) -> GroupBrokenError:
+        """What a call raises on the group broken by :attr:`cause`: a PeerLostError where
+        a peer was lost (it died, closed or aborted: as the call that saw it raised), naming
+        the same ranks; else a GroupBrokenError saying why."""
+        c = self.cause
+        text = f"group {self.name!r} (rank {self.rank}) is broken: {c}"
+        e = PeerLostError(text, ranks=c.ranks) if isinstance(c, PeerLostError) \
+            else GroupBrokenError(text)
+        e.__cause__ = c
+        return e
 
     def brk(self, cause: BaseException) -> None:
         if self.state == "open":
@@ -1137,8 +1147,11 @@ class Core:
                     if not q:
                         del self.p2p[(src, tag)]
                     return self._decode(m, name)
-                if self.state == "broken":
-                    raise GroupBrokenError(str(self.cause)) from self.cause
+                if self.state == "broken":  # (as a collective's wait raises it)
+                    c = self.cause
+                    if isinstance(c, GroupBrokenError):
+                        raise c
+                    raise GroupBrokenError(str(c)) from c
                 yield self._wait([src], deadline, t, name, None)
         finally:
             self.active = None
