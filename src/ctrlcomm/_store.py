@@ -317,14 +317,16 @@ class StoreClient:
                     timeout: float | None = None) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (``None`` or ``""``: if absent).
 
-        Returns the value the key holds afterwards (``b""`` if it is still absent), as
-        ``TCPStore.compare_set`` does.
+        Returns what ``TCPStore.compare_set`` returns: the value the key holds afterwards,
+        or, where it is absent and stays so (``expected`` given and not empty), ``expected``.
         """
         absent = expected is None
         rep = self._call(w.S_CAS, [self._k(key)],
                          [b"1" if absent else b"0", b"" if absent else _b(expected or b""), _b(desired)],
                          timeout)
-        return rep.values[0] if rep.values else b""
+        if rep.values:
+            return rep.values[0]
+        return _b(expected) if expected else b""
 
     def set_if_absent(self, key: str | bytes, value: str | bytes, *,
                       timeout: float | None = None) -> tuple[bool, bytes]:

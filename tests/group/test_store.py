@@ -75,6 +75,23 @@ def test_torch_store_methods_and_timedeltas(store):
     c.close()
 
 
+def test_compare_set_answers_as_torchs_tcpstore(store):
+    # the same sequence on torch's TCPStore and on ctrlcomm's client, answer for answer (a
+    # missing key with a non-empty expected value answered b"" where TCPStore answers the
+    # expected value)
+    from datetime import timedelta
+
+    dist = pytest.importorskip("torch.distributed")
+    ours = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="cs/")
+    theirs = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=5))
+    steps = [("a", "exp", "d"), ("a", "", "new"), ("a", "zzz", "other"), ("a", "new", "n2"),
+             ("b", "", ""), ("b", "", "x"), ("c", b"\x00", b"\xff"), ("a", "n2", "")]
+    want = [theirs.compare_set(*step) for step in steps]
+    assert [ours.compare_set(*step) for step in steps] == want
+    assert want[:4] == [b"exp", b"new", b"new", b"n2"]  # (what the comparison rests on)
+    ours.close()
+
+
 def test_get_waits_for_a_later_set(store):
     c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
 
