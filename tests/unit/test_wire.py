@@ -196,6 +196,13 @@ def test_msgpack_codec_keeps_tuples_and_refuses_objects():
     assert w.loads(payload, bufs, w.MSGPACK) == obj
     with pytest.raises(CodecError, match="msgpack"):
         w.dumps(object(), w.MSGPACK)
+    for v in (2**64 - 1, -(2**63)):  # (its range)
+        assert w.loads(*w.dumps(v, w.MSGPACK), w.MSGPACK) == v
+    # an int beyond it is named as such (it said "cannot encode an object of type int")
+    for v, shown in ((2**64, f"int {2**64}"), (-(2**63) - 1, f"int {-(2**63) - 1}"),
+                     ([1, 2**300], "int of 301 bits")):
+        with pytest.raises(CodecError, match=f"the {shown} is out of msgpack's range"):
+            w.dumps(v, w.MSGPACK)
 
 
 def test_good_messages_before_garbage_are_kept():
