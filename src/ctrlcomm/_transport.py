@@ -391,11 +391,11 @@ class StoreConnection:
             wait = min(deadline, resend_at) - now
             if not self._poller.poll(max(1, int(wait * 1000))):
                 continue
-            frames = self.sock.recv_multipart()
+            got = self.sock.recv_multipart()  # (not into frames: a resend sends those)
             try:
-                rep = w.decode_store_reply(frames[1:], self.key)
+                rep = w.decode_store_reply(got[1:], self.key)
             except WireError:
-                if self.key and _plain_reply(frames[1:], req.req_id):
+                if self.key and _plain_reply(got[1:], req.req_id):
                     raise StoreError(f"the store at {self.addr} answers without "
                                      "authentication: it runs without this group's auth_key"
                                      ) from None

@@ -175,3 +175,47 @@ def test_an_object_is_pickled_no_more_often_than_the_general_way_pickles_it(size
     except CodecError:
         pass
     assert Counted.calls == passes
+
+
+def test_a_store_request_resent_after_a_stale_reply_is_still_the_request(monkeypatch):
+    # A reply to an earlier request that gave up comes first; the request, unanswered, is
+    # sent again a second later: that resend must be the request (it was the stale reply's
+    # frames, which the client had received into the same variable). A real ZeroMQ ROUTER
+    # plays the store, on loopback.
+    import zmq
+
+    from ctrlcomm import _transport as t
+
+    monkeypatch.setattr(t, "STORE_RESEND_S", 0.2)
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    conn = t.StoreConnection("127.0.0.1", port)
+    seen = []
+
+    def store():
+        first = router.recv_multipart()  # request 1: left unanswered (it gives up)
+        seen.append(w.decode_store_request(first[2:]))
+        second = router.recv_multipart()  # request 2: first the stale reply to request 1
+        seen.append(w.decode_store_request(second[2:]))
+        router.send_multipart([second[0], b"", *w.encode_store_reply(
+            w.StoreReply(w.R_OK, seen[0].req_id, (b"stale",)))])
+        resent = router.recv_multipart()  # then request 2 again, resent: answered
+        seen.append(w.decode_store_request(resent[2:]))  # (raised: the reply's frames)
+        router.send_multipart([resent[0], b"", *w.encode_store_reply(
+            w.StoreReply(w.R_OK, seen[2].req_id, (b"fresh",)))])
+
+    th = threading.Thread(target=store, daemon=True)
+    th.start()
+    try:
+        one = w.StoreRequest(w.S_GET, 1, 0.0, (b"k",))
+        assert conn.request(one, time.monotonic() + 0.1) is None  # (gave up)
+        two = w.StoreRequest(w.S_GET, 2, 0.0, (b"k",))
+        rep = conn.request(two, time.monotonic() + 10)
+        assert rep is not None and rep.req_id == 2 and rep.values == (b"fresh",)
+        th.join(5)
+        assert [r.req_id for r in seen] == [1, 2, 2]
+    finally:
+        conn.close()
+        router.close(0)
