@@ -264,18 +264,22 @@ class ZmqEndpoint:
 
     def send(self, dst: int, frames: Sequence[Any]) -> None:
         """Queue a message for ``dst``; never waits for the peer."""
-        s = self._sock(dst)
-        last = len(frames) - 1
-        for i, f in enumerate(frames):
-            # (zero-copy only for a large frame that cannot change: ZeroMQ's I/O thread
-            # reads it after this returns, w.immutable)
-            big = not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_THRESHOLD \
-                and w.immutable(f)
-            s.send(f, (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT, copy=not big)
+        self.send_many((dst,), frames)
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
+        """Queue one message for each of ``dsts``. A large frame goes zero-copy (ZeroMQ's
+        I/O thread reads it after this returns): as it is where it cannot change
+        (w.immutable), else copied first, once for all the destinations."""
+        big = [not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_THRESHOLD
+               for f in frames]
+        if any(big):
+            frames = [memoryview(bytes(f)) if b and not w.immutable(f) else f
+                      for f, b in zip(frames, big, strict=True)]
+        last = len(frames) - 1
         for dst in dsts:
-            self.send(dst, frames)
+            s = self._sock(dst)
+            for i, f in enumerate(frames):
+                s.send(f, (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT, copy=not big[i])
 
     unflushed: frozenset[int] = frozenset()  # ZeroMQ flushes in its own I/O thread
 
@@ -680,6 +684,13 @@ def use_local_sockets(local_ranks: int, cpus: int) -> bool:
     return local_ranks > cpus
 
 
+def _frozen(parts: list[Any]) -> list[Any]:
+    """``parts`` of a message to queue (sent after the call has returned): each one that may
+    change once it has (an array's memory, a bytearray: not :func:`w.immutable`) copied,
+    once per message however many destinations queue it; the others as they are."""
+    return [p if w.immutable(p) else bytes(p) for p in parts]
+
+
 class TcpEndpoint:
     """A rank's sockets in one group, over plain TCP (the default transport).
 
@@ -859,6 +870,7 @@ class TcpEndpoint:
         queued (:attr:`direct`, the usual) is sent on without looking at its connection."""
         out, direct = self.out, self.direct
         one = parts[0] if len(parts) == 1 else None
+        kept: list[Any] | None = None  # parts as queued: see _frozen (made once, if needed)
         for dst in dsts:
             s = direct.get(dst)
             if s is None:
@@ -868,7 +880,8 @@ class TcpEndpoint:
                 if c.sock.fileno() < 0:  # lost: the core already knows
                     continue
                 if c.pending or c.connecting:
-                    self._queue(c, parts, 0)  # (it asks epoll to say when it takes more)
+                    kept = kept or _frozen(parts)
+                    self._queue(c, kept, 0)  # (it asks epoll to say when it takes more)
                     continue
                 s = c.sock
             try:
@@ -879,20 +892,19 @@ class TcpEndpoint:
                 self._lose(out[dst], f"send failed: {e.strerror or e}")
                 continue
             if n < total:
-                self._queue(out[dst], parts, n)
+                kept = kept or _frozen(parts)
+                self._queue(out[dst], kept, n)
 
     def _queue(self, c: _Conn, parts: list[Any], skip: int) -> None:
-        """Queue ``parts`` but their first ``skip`` bytes (already sent) for ``c``: a copy
-        of what may change once the send has returned (an array's memory, a bytearray: not
-        :func:`w.immutable`), a view of the rest."""
+        """Queue ``parts`` (:func:`_frozen`: nothing in them can change) but their first
+        ``skip`` bytes (already sent) for ``c``."""
         views = []
         for p in parts:
             v = memoryview(p).cast("B")
             if skip >= v.nbytes:
                 skip -= v.nbytes
                 continue
-            # (never empty: skip < v.nbytes here)
-            views.append(v[skip:] if w.immutable(p) else memoryview(bytes(v[skip:])))
+            views.append(v[skip:])  # never empty: skip < v.nbytes here
             skip = 0
         size = sum(v.nbytes for v in views)
         if size < COPY_THRESHOLD and len(views) > 1:

@@ -328,3 +328,37 @@ def test_what_was_sent_does_not_change_when_the_sender_changes_its_objects_after
     res = run_group(changed_right_after_sending, 2, timeout=90,
                     group_kwargs={"transport": transport})
     assert res[1] == (0.0, 0.0, True, 1.0, 1.0)
+
+
+def fan_out_of_a_large_array(g):
+    """Rank 0 broadcasts a 64 MiB array to ranks that read it only a second later (so most
+    of it waits at the root, queued, or in ZeroMQ's queues): the growth of its peak memory."""
+    import resource
+    import time
+
+    import numpy as np
+
+    size = 64 << 20
+    if g.rank == 0:
+        a = np.ones(size // 8)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        g.broadcast(a, src=0)
+        a += 1  # (what was sent must not change with it: the copy is the point)
+        g.barrier(timeout=60)
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / size
+    time.sleep(1)
+    got = g.broadcast(None, src=0, timeout=60)
+    g.barrier(timeout=60)
+    return float(got.min()), float(got.max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_a_large_array_sent_to_many_ranks_is_copied_once(transport):
+    # (each destination's queue took its own copy: three ranks, three copies, 192 MiB more
+    # at the root's peak)
+    pytest.importorskip("numpy")
+    res = run_group(fan_out_of_a_large_array, 4, timeout=120,
+                    group_kwargs={"transport": transport})
+    assert res[1:] == [(1.0, 1.0)] * 3
+    assert res[0] < 1.6, res[0]  # (one copy: 1.0, and some slack for the rest)
