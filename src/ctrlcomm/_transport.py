@@ -203,7 +203,11 @@ class ZmqEndpoint:
     def __init__(self, bind_host: str, *, ipv6: bool = False,
                  on_lost: Callable[[int, str, bool], None] | None = None,
                  zmq_context: zmq.Context[Any] | None = None, encrypt: bool = False) -> None:
-        ctx = zmq_context or context()
+        # its own context unless given one: close() then terminates it in a thread that the
+        # process waits for at exit, so what was sent last still goes out (pyzmq does not
+        # terminate contexts at exit: the I/O thread's queue was lost with the process)
+        self._own_ctx = zmq_context is None
+        ctx: zmq.Context[Any] = zmq_context or zmq.Context(io_threads=1)
         self._ctx = ctx
         self.rx = ctx.socket(zmq.PULL)
         self.rx.setsockopt(zmq.LINGER, 0)
@@ -223,6 +227,8 @@ class ZmqEndpoint:
             self.rx.bind(addr)
         except zmq.ZMQError as e:
             self.rx.close(0)
+            if self._own_ctx:
+                ctx.term()  # (its only socket closed: at once)
             raise _bind_error(e, "group socket", addr) from None
         self.address: str = self.rx.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.fd: int = self.rx.getsockopt(zmq.FD)
@@ -338,11 +344,28 @@ class ZmqEndpoint:
         if self.closed:
             return
         self.closed = True
+        # the peers that said they closed (read now: what else is here goes unread): what is
+        # still queued for them is dropped, not lingered for (ZeroMQ would try to reconnect
+        # to them until LINGER_MS, and hold the process's exit as long)
+        gone = set()
+        try:
+            for _ in range(100_000):
+                m = w.decode_or_none(self.rx.recv_multipart(zmq.DONTWAIT), self.key, self.me)
+                if m is not None and m.kind == w.BYE:
+                    gone.add(m.src)
+        except zmq.ZMQError:  # (Again: all read)
+            pass
         self.rx.close(0)
-        for s in self.tx.values():
-            s.close()  # LINGER_MS: queued messages still go out, in ZeroMQ's I/O thread
+        for dst, s in self.tx.items():
+            # LINGER_MS: queued messages still go out, in ZeroMQ's I/O thread
+            s.close(0 if dst in gone else None)
         self.tx.clear()
         self.bell.close()
+        if self._own_ctx:
+            # (not a daemon: a process that exits right after close() still delivers its
+            # last messages, for at most LINGER_MS, as the TCP transport's linger does)
+            threading.Thread(target=self._ctx.term, daemon=False,
+                             name="ctrlcomm-zmq-linger").start()
 
 
 # A request unanswered for this long is sent again (same id: the server answers it once).
