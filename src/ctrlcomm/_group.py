@@ -129,6 +129,8 @@ def _per_rank(core: Core, objs: Any, op: str) -> list[Any]:
     order (a numpy array or a tensor: its rows, or elements, as mpi4py takes them); not
     from text, bytes, a mapping or a set (which would scatter characters, bytes, keys or
     members in no order)."""
+    if (type(objs) is list or type(objs) is tuple) and len(objs) == core.size:  # the usual
+        return list(objs)
     n: int | None = None
     if not isinstance(objs, (str, bytes, bytearray, memoryview, Mapping, AbstractSet)) \
             and isinstance(objs, Iterable) and isinstance(objs, Sized):
@@ -146,6 +148,10 @@ def _per_rank(core: Core, objs: Any, op: str) -> list[Any]:
             f"{core.size} ranks (one object per rank)")
     try:
         out = list(objs)
+        if type(objs).__module__.split(".", 1)[0] == "torch" and hasattr(objs, "clone"):
+            # a tensor's rows are views of its storage, and a view pickles with all of it:
+            # each rank would get the whole tensor (and keep it)
+            out = [x.clone() for x in out]
     except Exception as e:
         raise InvalidArgumentError(f"{op} on rank {core.rank}: iterating over objs failed: "
                                    f"{type(e).__name__}: {e}") from e

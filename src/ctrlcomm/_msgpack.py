@@ -30,7 +30,7 @@ def _default(obj: Any) -> Any:
 
     if type(obj) is Failed:
         return m.ExtType(_FAILED, dumps([obj.message, obj.kind]))
-    if isinstance(obj, int) and not isinstance(obj, bool):  # (msgpack's ints: 64 bits)
+    if type(obj) is int and not -(1 << 63) <= obj < 1 << 64:  # (msgpack's ints: 64 bits)
         text = str(obj) if obj.bit_length() <= 128 else f"of {obj.bit_length()} bits"
         raise OverflowError(f"the int {text} is out of msgpack's range (-2**63 to 2**64-1; "
                             "codec='pickle' carries ints of any size)")

@@ -545,10 +545,12 @@ def stream_prefix_lens(lens: Sequence[int]) -> bytes:
 
 def _buffer_type(header: bytes) -> type:
     """What the stream decoder makes a message's frames after the first two of (its
-    out-of-band buffers, and a MAC): bytes where the header says they are immutable
-    (FLAG_IMMUTABLE), else writable bytearrays, so that :func:`decode` need not copy them."""
-    return bytes if len(header) > FLAG_IMMUTABLE_AT and \
-        header[FLAG_IMMUTABLE_AT] & FLAG_IMMUTABLE else bytearray
+    out-of-band buffers, and a MAC): writable bytearrays where it has buffers that the
+    header does not say are immutable (FLAG_IMMUTABLE), so that :func:`decode` need not copy
+    them; else bytes (a keyed message's MAC alone, say; or not a message of a group)."""
+    if len(header) != HEADER.size or header[FLAG_IMMUTABLE_AT] & FLAG_IMMUTABLE:
+        return bytes
+    return bytearray if header[-2] | header[-1] << 8 else bytes  # (its buffer count)
 
 
 class StreamDecoder:
@@ -645,8 +647,11 @@ class StreamDecoder:
             if p + sum(lens) > end or sum(lens) > self.max_message:
                 return None
             frames: list[bytes] = []
+            make: type = bytes
             for i, ln in enumerate(lens):  # (out-of-band buffers writable: _buffer_type)
-                frames.append((bytes if i < 2 else _buffer_type(frames[0]))(view[p : p + ln]))
+                frames.append(make(view[p : p + ln]))
+                if i == 1:
+                    make = _buffer_type(frames[0])
                 p += ln
             out.append(frames)
             pos = p
@@ -677,9 +682,11 @@ class StreamDecoder:
             p = pos + self._head
             frames: list[bytes] = []
             with memoryview(buf) as view:  # a slice of the view: one copy, not two
+                make: type = bytes
                 for i, ln in enumerate(self._lens):  # (buffers writable, as in _whole)
-                    frames.append((bytes if i < 2 else _buffer_type(frames[0]))(
-                        view[p : p + ln]))
+                    frames.append(make(view[p : p + ln]))
+                    if i == 1:
+                        make = _buffer_type(frames[0])
                     p += ln
             out.append(frames)
             pos += total

@@ -946,6 +946,9 @@ def scatter_and_all_to_all_of_arrays(g):
         g.scatter(torch.arange(n) + 1 if r == 0 else None, src=0).item(),
         g.all_to_all(range(r * n, r * n + n)),
         g.all_to_all(__import__("collections").deque([r] * n)),
+        # (a row of a tensor is a view: it pickled with the whole storage, n times the row)
+        g.scatter(torch.arange(n * 1000.0).reshape(n, 1000) if r == 0 else None,
+                  src=0).untyped_storage().nbytes(),
     ]
     errors = []
     for bad in ({i: i for i in range(n)}, set(range(n)), "x" * n, b"x" * n,
@@ -965,7 +968,7 @@ def test_scatter_and_all_to_all_take_arrays_and_other_sized_iterables():
     n = 3
     for r, (got, errors, after) in enumerate(run_group(scatter_and_all_to_all_of_arrays, n)):
         assert got == [10 * r, [2 * r, 2 * r + 1], list(range(n)), r + 1,
-                       [i * n + r for i in range(n)], list(range(n))], (r, got)
+                       [i * n + r for i in range(n)], list(range(n)), 4000], (r, got)
         assert len(errors) == 7 and after == n, (r, errors)
         for e, name in zip(errors, ["dict", "set", "str", "bytes", "int64", "ndarray",
                                     "range_iterator"], strict=True):

@@ -203,6 +203,13 @@ def test_msgpack_codec_keeps_tuples_and_refuses_objects():
                      ([1, 2**300], "int of 301 bits")):
         with pytest.raises(CodecError, match=f"the {shown} is out of msgpack's range"):
             w.dumps(v, w.MSGPACK)
+    import enum
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    with pytest.raises(CodecError, match="cannot encode an object of type Color"):
+        w.dumps({"k": Color.RED}, w.MSGPACK)  # (a subclass of int: its type, not a range)
 
 
 def test_good_messages_before_garbage_are_kept():
@@ -228,16 +235,23 @@ def test_large_bytes_alone_go_out_of_band_and_load_without_a_copy():
     assert w.loads(payload, (frame,), w.PICKLE) is frame
 
 
-def _through_a_stream(msg, key=None):
-    """The message as the receiving rank's stream decoder and decode() hand it over."""
+def _through_a_stream(msg, key=None, split=None):
+    """The message as the receiving rank's stream decoder and decode() hand it over (whole,
+    or in two reads split at ``split``: the decoder's other path)."""
     frames = w.encode(msg, key, 3)
     data = bytes(w.stream_prefix(frames)) + b"".join(bytes(f) for f in frames)
-    (got,) = w.StreamDecoder().feed(data)
+    d = w.StreamDecoder()
+    if split is None:
+        (got,) = d.feed(data)
+    else:
+        assert d.feed(data[:split]) == []
+        (got,) = d.feed(data[split:])
     return got, w.decode(got, key, 3)
 
 
+@pytest.mark.parametrize("split", [None, 7, 100])
 @pytest.mark.parametrize("key", [None, b"k"])
-def test_received_buffers_are_bytes_only_where_all_were_immutable(key):
+def test_received_buffers_are_bytes_only_where_all_were_immutable(key, split):
     # a message whose out-of-band buffers are all bytes says so (FLAG_IMMUTABLE): they arrive
     # as bytes (a large bytes object is unpickled onto its frame); any other arrives as
     # writable bytearrays, over a stream (the decoder makes them so) or another transport
@@ -246,7 +260,7 @@ def test_received_buffers_are_bytes_only_where_all_were_immutable(key):
                            (bytearray(big), False), ({"x": big, "y": bytearray(big)}, False)):
         payload, bufs = w.dumps(obj, w.PICKLE)
         msg = w.Message(w.P2P, 1, 7, 0, 0, 0, w.NO_ROOT, w.PICKLE, payload, tuple(bufs))
-        frames, m = _through_a_stream(msg, key)
+        frames, m = _through_a_stream(msg, key, split)
         assert bool(frames[0][6] & w.FLAG_IMMUTABLE) is immutable
         assert {type(b) for b in m.buffers} == {bytes if immutable else bytearray}
         assert w.loads(m.payload, m.buffers, m.codec) == obj
@@ -265,7 +279,8 @@ def test_a_large_array_arrives_writable_and_its_own():
     payload, bufs = w.dumps({"a": arr}, w.PICKLE)
     assert len(bufs) == 1
     msg = w.Message(w.COLL, 1, 7, 0, 0, 0, w.NO_ROOT, w.PICKLE, payload, tuple(bufs))
-    for _frames, m in (_through_a_stream(msg), _through_a_stream(msg, b"k")):
+    for _frames, m in (_through_a_stream(msg), _through_a_stream(msg, b"k"),
+                       _through_a_stream(msg, None, 50)):
         got = w.loads(m.payload, m.buffers, m.codec)["a"]
         assert got.flags.writeable and got.tolist() == arr.tolist()
         got += 1
