@@ -632,7 +632,8 @@ class Group:
             proc = proc_address()
             # and what every rank must have alike, compared by rank 0 (a rank created with
             # another world size, codec or transport would wait, or fail, without saying why)
-            alike = f"ws:{world_size} codec:{codec} tr:{transport}"
+            # (and the wire format's version: a peer of another reads none of its messages)
+            alike = f"ws:{world_size} codec:{codec} tr:{transport} wire:{w.VERSION}"
             me = " ".join(filter(None, (ep.address, str(hb.port), local,
                                         "curve:" + curve.decode() if curve else "", proc, alike)))
             nonce, table = _rendezvous(store, me, rank, world_size, name, deadline)
@@ -919,7 +920,8 @@ def _missing_ranks(store: StoreClient, keys: list[str], budget: float) -> list[i
         return []
 
 
-ALIKE = ("ws:", "codec:", "tr:")  # the fields of an address every rank must have alike
+ALIKE = ("ws:", "codec:", "tr:", "wire:")  # the fields of an address every rank must have alike
+_ALIKE_WORDS = {"ws": "world size", "codec": "codec", "tr": "transport", "wire": "wire version"}
 ASK_S = 0.5  # how long a formation that timed out asks the store why
 # Where, in a group's namespace of the store, formation keeps its keys (deleted once the group
 # is formed): apart from the keys the ranks set through the group's store client (Group.store)
@@ -934,17 +936,21 @@ def _differ(name: str, mine: str, records: dict[int, str]) -> str:
     """What ranks of ``records`` were created with otherwise than rank 0 (``mine``), in
     words; "" if nothing."""
     own = _alike(mine)
-    words = {"ws": "world size", "codec": "codec", "tr": "transport"}
+    words = _ALIKE_WORDS
     parts = []
     for r, rec in sorted(records.items()):
         theirs = _alike(rec)
-        diff = [f"{words[k]} {theirs.get(k, '?')}" for k in own if theirs.get(k) != own[k]]
+        # (a field one side lacks differs too: a rank of an earlier version has no "wire:")
+        diff = [f"{words[k]} {theirs.get(k, '?')}" for k in words
+                if (k in own or k in theirs) and theirs.get(k) != own.get(k)]
         if diff:
             parts.append(f"rank {r} with {', '.join(diff)}")
     if not parts:
         return ""
     return (f"group {name!r}: the ranks were created with different settings: rank 0 with "
-            + ", ".join(f"{words[k]} {v}" for k, v in own.items()) + "; " + "; ".join(parts))
+            + ", ".join(f"{words[k]} {own.get(k, '?')}" for k in words
+                        if k in own or any(k in _alike(v) for v in records.values()))
+            + "; " + "; ".join(parts))
 
 
 def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: str,

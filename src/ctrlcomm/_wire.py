@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 from ._errors import CodecError, WireError
 
 MAGIC = b"CC"
-VERSION = 1
+VERSION = 2  # 2: FLAG_IMMUTABLE (a rank of version 1 drops such messages as malformed)
+STORE_VERSION = 1  # the store's requests and replies (unchanged since 1)
 HEADER = struct.Struct("<2sBBBBHIQQqiH")
 
 # kinds
@@ -445,7 +446,7 @@ def _check_store_mac(frames: Sequence[Any], key: bytes | None) -> Sequence[Any]:
 
 
 def encode_store_request(req: StoreRequest, key: bytes | None = None) -> list[bytes]:
-    head = STORE_REQ.pack(STORE_MAGIC, VERSION, req.op, req.req_id, req.timeout, len(req.keys))
+    head = STORE_REQ.pack(STORE_MAGIC, STORE_VERSION, req.op, req.req_id, req.timeout, len(req.keys))
     frames = [head, *req.keys, *req.values]
     return frames + [_store_mac(key, frames)] if key else frames
 
@@ -460,7 +461,7 @@ def decode_store_request(frames: Sequence[Any], key: bytes | None = None) -> Sto
         magic, version, op, req_id, timeout, nkeys = STORE_REQ.unpack_from(frames[0])
     except (struct.error, TypeError) as e:
         raise WireError(f"bad store header: {e}") from None
-    if magic != STORE_MAGIC or version != VERSION:
+    if magic != STORE_MAGIC or version != STORE_VERSION:
         raise WireError("bad store magic or version")
     if op not in STORE_OPS:
         raise WireError(f"unknown store op {op}")
@@ -474,7 +475,7 @@ def decode_store_request(frames: Sequence[Any], key: bytes | None = None) -> Sto
 
 
 def encode_store_reply(rep: StoreReply, key: bytes | None = None) -> list[bytes]:
-    frames = [STORE_REP.pack(STORE_MAGIC, VERSION, rep.status, rep.req_id), *rep.values]
+    frames = [STORE_REP.pack(STORE_MAGIC, STORE_VERSION, rep.status, rep.req_id), *rep.values]
     return frames + [_store_mac(key, frames)] if key else frames
 
 
@@ -488,7 +489,7 @@ def decode_store_reply(frames: Sequence[Any], key: bytes | None = None) -> Store
         magic, version, status, req_id = STORE_REP.unpack_from(frames[0])
     except (struct.error, TypeError) as e:
         raise WireError(f"bad store reply: {e}") from None
-    if magic != STORE_MAGIC or version != VERSION or status > R_CAS_FAIL:
+    if magic != STORE_MAGIC or version != STORE_VERSION or status > R_CAS_FAIL:
         raise WireError("bad store reply header")
     return StoreReply(status, req_id, tuple(bytes(f) for f in frames[1:]))
 

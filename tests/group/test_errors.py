@@ -743,6 +743,40 @@ def created_otherwise(rank, size, port, settings, timeout):
     return "formed", "", time.monotonic() - t
 
 
+def of_another_wire_version(rank, size, port, older):
+    """Rank ``older`` runs as a ctrlcomm whose wire format has an earlier version."""
+    from ctrlcomm import _wire
+
+    if rank == older:
+        _wire.VERSION -= 1  # (what its address says at formation: nothing is sent before)
+    return created_otherwise(rank, size, port, [(2, "pickle", "tcp")] * 2, 4.0)
+
+
+@pytest.mark.parametrize("older", [0, 1])
+def test_ranks_of_different_wire_versions_are_told_so_at_formation(older):
+    # (a rank of another version drops every message of this one as malformed: the calls
+    # waited to their deadlines)
+    from ctrlcomm import _wire
+
+    v = _wire.VERSION
+    for kind, text, _took in run_ranks(of_another_wire_version, 2, free_port(), older,
+                                       timeout=60):
+        assert kind in ("FormationError", "FormationTimeoutError"), (kind, text)
+        assert f"rank 0 with world size 2, codec pickle, transport tcp, wire version " \
+            f"{v - (older == 0)}" in text and f"rank 1 with wire version {v - (older == 1)}" \
+            in text, text
+
+
+def test_a_rank_of_a_release_without_wire_versions_differs_too():
+    from ctrlcomm._group import _differ
+
+    new, old = "tcp://a 1 ws:2 codec:1 tr:tcp wire:2", "tcp://b 2 ws:2 codec:1 tr:tcp"
+    assert "rank 1 with wire version ?" in _differ("g", new, {1: old})
+    assert "rank 0 with world size 2, codec 1, transport tcp, wire version ?; rank 1 with " \
+        "wire version 2" in _differ("g", old, {1: new})
+    assert _differ("g", old, {1: old}) == "" and _differ("g", new, {1: new}) == ""
+
+
 @pytest.mark.parametrize(("settings", "named"), [
     ([(2, "pickle", "tcp"), (3, "pickle", "tcp")], "rank 1 with world size 3"),
     ([(3, "pickle", "tcp"), (2, "pickle", "tcp")], "rank 1 with world size 2"),
