@@ -1021,6 +1021,8 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
                                                      for k, v in zip(joined, got, strict=True)})
                 except (StoreError, KeyError):
                     pass
+            if differ:
+                done.add("differ")  # (rank 0's key stays: a rank coming later compares)
             raise FormationTimeoutError(
                 f"group {name!r} not formed: ranks {missing} did not join within the timeout"
                 + (f" ({differ})" if differ else ""), missing=missing) from None
@@ -1074,9 +1076,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         lines = text.split("\n")
         if len(lines) == size + 1 and lines[1 + rank] == address:  # else: a stale table
             break
-        if time.monotonic() >= deadline:  # a stale table of an earlier group
-            raise FormationError(f"group {name!r}: the store holds a table that does not "
-                                 f"match this group (rank {rank})")
+        if time.monotonic() >= deadline:  # a stale table, of an earlier try or group
+            raise FormationTimeoutError(
+                f"group {name!r} not formed within the timeout on rank {rank}: the address "
+                "table in the store does not hold this rank's address (rank 0 published it "
+                "for an earlier try of this rank, or for an earlier group of this name): "
+                "try again", missing=[0])
         time.sleep(0.05)
     if store.add(f"{FORMATION}acks/{lines[0]}", 1, timeout=left()) == size - 1:
         store.set(f"{FORMATION}done/{lines[0]}", "1", timeout=left())

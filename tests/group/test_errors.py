@@ -1077,3 +1077,19 @@ def test_a_recv_from_a_rank_that_aborts_raises_peer_lost(mode):
     # misses, and so did any call after it)
     got = run_group(recv_from_a_rank_that_aborts, 2, mode)[1]
     assert got == [("PeerLostError", [0], True)] * 3, got
+
+
+def test_a_stale_address_table_times_out_as_a_timeout():
+    # A table left in the store (rank 0 published it for an earlier try of rank 1, whose
+    # address it holds) was reported as a plain FormationError at the deadline, which a
+    # launcher retrying on TimeoutError took for final; and the rank's key is taken back.
+    with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
+        c = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=5, prefix="ctrlcomm/stale/")
+        f = "ctrlcomm:formation/"
+        c.set(f + "rank/0", "tcp://127.0.0.1:9 9 ws:2 codec:pickle tr:tcp wire:2")
+        c.set(f + "table", "00ff\ntcp://127.0.0.1:9 9\ntcp://127.0.0.1:10 10")
+        with pytest.raises(ctrlcomm.FormationTimeoutError, match="does not hold this rank's"):
+            ctrlcomm.Group.create("127.0.0.1", srv.port, 1, 2, name="stale", timeout=1.5,
+                                  host_store=False)
+        assert not c.check([f + "rank/1"])
+        c.close()
