@@ -319,8 +319,10 @@ def test_an_object_a_rank_cannot_decode_breaks_the_group_everywhere_without_wait
         else:
             assert kind == "CodecError" and "from rank 0" in text, text
         # (a group broken by a lost peer says so again: PeerLostError; by its own failure:
-        # GroupBrokenError)
-        assert after == ("PeerLostError" if kind == "PeerLostError" else "GroupBrokenError")
+        # GroupBrokenError; a rank that failed to decode it itself may have read the other's
+        # word first: its group's first cause)
+        assert after == "PeerLostError" if kind == "PeerLostError" else \
+            after in ("GroupBrokenError", "PeerLostError"), (kind, after)
     assert told < 2  # one of them decoded first, and failed itself
 
 
