@@ -1213,7 +1213,7 @@ class Core:
                 cause = self.cause
                 self._tell_peers(w.BYE, "" if cause is None
                                  else f"{type(cause).__name__}: {cause}"[:BYE_TEXT])
-                self.ep.close()
+                self.ep.close(gone=set(self.gone))  # (nothing to linger for: see there)
 
     def _tell_peers(self, kind: int, text: str, seq: int = 0, rnd: int = 0) -> None:
         """A control message to every peer not known gone (best effort)."""

@@ -151,7 +151,7 @@ def _per_rank(core: Core, objs: Any, op: str) -> list[Any]:
         if type(objs).__module__.split(".", 1)[0] == "torch" and hasattr(objs, "clone"):
             # a tensor's rows are views of its storage, and a view pickles with all of it:
             # each rank would get the whole tensor (and keep it)
-            out = [x.clone() for x in out]
+            out = [x.detach().clone() for x in out]
     except Exception as e:
         raise InvalidArgumentError(f"{op} on rank {core.rank}: iterating over objs failed: "
                                    f"{type(e).__name__}: {e}") from e
@@ -1081,7 +1081,7 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
                 f"group {name!r} not formed within the timeout on rank {rank}: the address "
                 "table in the store does not hold this rank's address (rank 0 published it "
                 "for an earlier try of this rank, or for an earlier group of this name): "
-                "try again", missing=[0])
+                "try again")
         time.sleep(0.05)
     if store.add(f"{FORMATION}acks/{lines[0]}", 1, timeout=left()) == size - 1:
         store.set(f"{FORMATION}done/{lines[0]}", "1", timeout=left())

@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import zmq
@@ -207,6 +207,7 @@ class ZmqEndpoint:
         # process waits for at exit, so what was sent last still goes out (pyzmq does not
         # terminate contexts at exit: the I/O thread's queue was lost with the process)
         self._own_ctx = zmq_context is None
+        self._pid = os.getpid()  # (a forked child must not touch the parent's ZeroMQ)
         ctx: zmq.Context[Any] = zmq_context or zmq.Context(io_threads=1)
         self._ctx = ctx
         self.rx = ctx.socket(zmq.PULL)
@@ -276,8 +277,15 @@ class ZmqEndpoint:
         """Queue one message for each of ``dsts``. A large frame goes zero-copy (ZeroMQ's
         I/O thread reads it after this returns): as it is where it cannot change
         (w.immutable), else copied first, once for all the destinations."""
-        big = [not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_THRESHOLD
-               for f in frames]
+        if len(frames) == 2 and type(frames[0]) is bytes and type(frames[1]) is bytes \
+                and len(frames[1]) < COPY_THRESHOLD:  # the usual: header and small payload
+            head, payload = frames
+            for dst in dsts:
+                s = self._sock(dst)
+                s.send(head, zmq.SNDMORE | zmq.DONTWAIT)
+                s.send(payload, zmq.DONTWAIT)
+            return
+        big = [memoryview(f).nbytes >= COPY_THRESHOLD for f in frames]
         if any(big):
             frames = [memoryview(bytes(f)) if b and not w.immutable(f) else f
                       for f, b in zip(frames, big, strict=True)]
@@ -340,18 +348,25 @@ class ZmqEndpoint:
             return
         await _readable(self.fd, timeout, self._set_aw)
 
-    def close(self) -> None:
+    def close(self, gone: Collection[int] = ()) -> None:
+        """Close the sockets. What is queued for peers still goes out, in a thread the
+        process's exit waits for (at most LINGER_MS), but for peers known gone: ``gone`` (the
+        core's), and those whose BYE waits unread here; ZeroMQ would try to reconnect to them
+        until LINGER_MS, and hold the exit as long."""
         if self.closed:
             return
         self.closed = True
-        # the peers that said they closed (read now: what else is here goes unread): what is
-        # still queued for them is dropped, not lingered for (ZeroMQ would try to reconnect
-        # to them until LINGER_MS, and hold the process's exit as long)
-        gone = set()
+        if os.getpid() != self._pid:  # a forked child: the sockets are the parent's
+            return
+        gone = set(gone)
         try:
             for _ in range(100_000):
-                m = w.decode_or_none(self.rx.recv_multipart(zmq.DONTWAIT), self.key, self.me)
-                if m is not None and m.kind == w.BYE:
+                frames = self.rx.recv_multipart(zmq.DONTWAIT)
+                try:  # (the header only; the whole message where it says BYE: its MAC)
+                    kind = w.HEADER.unpack_from(frames[0])[2]
+                except (struct.error, TypeError, IndexError):
+                    continue
+                if kind == w.BYE and (m := w.decode_or_none(frames, self.key, self.me)):
                     gone.add(m.src)
         except zmq.ZMQError:  # (Again: all read)
             pass
@@ -1361,8 +1376,9 @@ class TcpEndpoint:
         except (RuntimeError, ValueError, OSError):  # the loop is closing
             pass
 
-    def close(self) -> None:
-        """Close every socket; unsent data goes on in a short-lived thread (like a linger)."""
+    def close(self, gone: Collection[int] = ()) -> None:
+        """Close every socket; unsent data goes on in a short-lived thread (like a linger).
+        (``gone``: as ZmqEndpoint.close's; here a connection to a gone peer fails at once.)"""
         if self.closed:
             return
         self.closed = True

@@ -396,3 +396,71 @@ def test_what_a_rank_sent_before_it_closed_and_exited_arrives(transport):
 
     got = run_ranks(send_then_exit, 2, free_port(), transport, timeout=120)
     assert got[1] == [(i, 48 << 20) for i in range(3)]
+
+
+def close_after_a_peer_left(rank, size, port):
+    """Rank 1 closes and exits; rank 0 then sends to it (a collective that fails on it) and
+    closes: nothing it queued for rank 1 is lingered for."""
+    import threading
+    import time
+
+    import ctrlcomm
+
+    g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30, transport="zmq")
+    g.barrier()
+    if rank == 1:
+        g.close()
+        return None
+    time.sleep(1)  # (rank 1 has closed, and its process exited)
+    try:
+        g.all_gather(0, timeout=10)
+    except ctrlcomm.PeerLostError:
+        pass
+    g.close()
+    lingering = [t for t in threading.enumerate() if t.name == "ctrlcomm-zmq-linger"]
+    for t in lingering:  # (none: it has ended already)
+        t.join(4)  # (LINGER_MS is 5 s: for a live peer's queue)
+    return any(t.is_alive() for t in lingering)
+
+
+def test_a_closing_rank_lingers_not_for_a_peer_known_gone():
+    # (its BYE read during a call, not at close: the queue for it was lingered for, 5 s, and
+    # the process's exit held as long)
+    from ctrlcomm.testing import free_port, run_ranks
+
+    assert run_ranks(close_after_a_peer_left, 2, free_port(), timeout=60)[0] is False
+
+
+def close_in_a_forked_child(rank, size, port, transport):
+    import faulthandler
+    import os
+    import time
+
+    import ctrlcomm
+
+    g = ctrlcomm.Group.create("127.0.0.1", port, 0, 1, timeout=30, transport=transport)
+    g.all_gather(1)
+    pid = os.fork()
+    if pid == 0:  # (as leaving a `with Group.create(...)` block does after a fork)
+        faulthandler.dump_traceback_later(10, exit=True)  # (exit code 1)
+        g.close()
+        os._exit(0)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            g.close()
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "the child's close() did not return"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_close_in_a_forked_child_returns(transport):
+    # (the ZeroMQ endpoint read its socket at close to learn which peers had said BYE: in a
+    # forked child libzmq's signaler fails with EINTR, and pyzmq retried for ever)
+    from ctrlcomm.testing import free_port, run_ranks
+
+    assert run_ranks(close_in_a_forked_child, 1, free_port(), transport, timeout=60) == [0]

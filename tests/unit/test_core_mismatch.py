@@ -55,7 +55,7 @@ class ScriptedEndpoint:
     def resume(self, src):
         pass
 
-    def close(self):
+    def close(self, gone=()):
         pass
 
 
