@@ -148,7 +148,8 @@ def _per_rank(core: Core, objs: Any, op: str) -> list[Any]:
             f"{core.size} ranks (one object per rank)")
     try:
         out = list(objs)
-        if type(objs).__module__.split(".", 1)[0] == "torch" and hasattr(objs, "clone"):
+        m = _ops._array_module(objs)
+        if m is not None and m.__name__ == "torch" and hasattr(objs, "clone"):
             # a tensor's rows are views of its storage, and a view pickles with all of it:
             # each rank would get the whole tensor (and keep it)
             out = [x.detach().clone() for x in out]
@@ -937,9 +938,11 @@ def _differ(name: str, mine: str, records: dict[int, str]) -> str:
     words; "" if nothing."""
     own = _alike(mine)
     words = _ALIKE_WORDS
+    seen = set(own)  # the fields any rank has
     parts = []
     for r, rec in sorted(records.items()):
         theirs = _alike(rec)
+        seen.update(theirs)
         # (a field one side lacks differs too: a rank of an earlier version has no "wire:")
         diff = [f"{words[k]} {theirs.get(k, '?')}" for k in words
                 if (k in own or k in theirs) and theirs.get(k) != own.get(k)]
@@ -948,8 +951,7 @@ def _differ(name: str, mine: str, records: dict[int, str]) -> str:
     if not parts:
         return ""
     return (f"group {name!r}: the ranks were created with different settings: rank 0 with "
-            + ", ".join(f"{words[k]} {own.get(k, '?')}" for k in words
-                        if k in own or any(k in _alike(v) for v in records.values()))
+            + ", ".join(f"{words[k]} {own.get(k, '?')}" for k in words if k in seen)
             + "; " + "; ".join(parts))
 
 

@@ -203,9 +203,10 @@ def decode(frames: Sequence[Any], key: bytes | None = None, dst: int = -1) -> Me
     if codec not in CODECS:
         raise WireError(f"unknown codec {codec}")
     has_mac = bool(flags & FLAG_MAC)
-    if flags & ~(FLAG_MAC | FLAG_IMMUTABLE) or (flags & FLAG_IMMUTABLE and not nbuf):
-        raise WireError(f"unknown flags {flags:#x}" if flags & ~(FLAG_MAC | FLAG_IMMUTABLE)
-                        else "immutable-buffers flag without buffers")
+    if flags & ~(FLAG_MAC | FLAG_IMMUTABLE):
+        raise WireError(f"unknown flags {flags:#x}")
+    if flags & FLAG_IMMUTABLE and not nbuf:
+        raise WireError("immutable-buffers flag without buffers")
     if nbuf > MAX_OOB or len(frames) != 2 + nbuf + has_mac:
         raise WireError(f"frame count {len(frames)} does not match header ({nbuf} buffers)")
     if key:
