@@ -1183,8 +1183,11 @@ class Core:
             # run again): no other thread uses the sockets: do it now; the call, if it
             # resumes, finds the group closed or broken. (Not so when a blocking call of
             # this thread is under this one, in a signal handler or a reduction callable:
-            # it is mid-wait or mid-step, and does it itself, below.)
+            # it is mid-wait or mid-step, and does it itself, below.) Its wait is ended
+            # (an abort leaves the sockets open: nothing else would wake it before its
+            # next probe, liveness check or deadline)
             self._run_deferred()
+            self.ep.wake()
         else:
             # held by another thread: it runs this at its next wake-up, or when its call
             # ends, whichever is first (after releasing the lock, it looks: _unlock)

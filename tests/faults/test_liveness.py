@@ -442,6 +442,53 @@ def test_abort_or_close_from_another_thread_ends_a_waiting_call_at_once(store, w
         assert name == "GroupClosedError" and closed, msg
 
 
+def watchdog_task(rank, size, port, what, transport, op):
+    """As watchdog, but the watchdog is another asyncio task of the waiting call's event loop
+    (an engine's health check, say): the call must end then too, not at its next status
+    probe, liveness check or deadline (it did not for abort(): 0.7-20 s later)."""
+    name = f"wdtask-{what}-{transport}-{op}"
+    g = _group(rank, size, port, name=name, transport=transport, liveness_timeout=None)
+    g.barrier()
+    if rank == 1:
+        g.store.wait([f"{name} done"], timeout=60)
+        return None
+
+    async def main():
+        call = asyncio.create_task(g.aio.all_reduce(1, timeout=30) if op == "all_reduce"
+                                   else g.aio.recv(1, timeout=30))
+        await asyncio.sleep(0.3)
+        t = time.monotonic()
+        g.abort("watchdog: step hung") if what == "abort" else g.close()
+        try:
+            await asyncio.wait_for(call, 20)
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__, str(e), time.monotonic() - t, g.closed, g.broken
+        except asyncio.TimeoutError:
+            return "still waiting 20 s after it"
+        return "no error"
+
+    err = asyncio.run(main())
+    st = ctrlcomm.StoreClient("127.0.0.1", port, prefix=f"ctrlcomm/{name}/", timeout=30)
+    st.set(f"{name} done", b"1")
+    st.close()
+    return err
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+@pytest.mark.parametrize("op", ["all_reduce", "recv"])
+@pytest.mark.parametrize("what", ["abort", "close"])
+def test_abort_or_close_from_another_task_ends_a_waiting_call_at_once(store, what, op,
+                                                                       transport):
+    got = run_ranks(watchdog_task, 2, store.port, what, transport, op)[0]
+    assert isinstance(got, tuple), got
+    name, msg, took, closed, broken = got
+    assert took < 5.0, f"the call ended {took:.1f} s after the {what}"
+    if what == "abort":
+        assert name == "GroupBrokenError" and "watchdog: step hung" in msg and broken, msg
+    else:
+        assert name == "GroupClosedError" and closed, msg
+
+
 def test_liveness_default_comes_from_the_environment_also_for_the_seed_apis():
     from ctrlcomm._group import _env_liveness
 
