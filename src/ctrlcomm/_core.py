@@ -31,6 +31,7 @@ rejected before a seq number is taken, so they leave the group open too.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -51,7 +52,7 @@ from ._errors import (
     MismatchTimeoutError,
     PeerLostError,
 )
-from ._transport import COPY_THRESHOLD, Heartbeat, TcpEndpoint, ZmqEndpoint
+from ._transport import COPY_THRESHOLD, FAIR_S, Heartbeat, TcpEndpoint, ZmqEndpoint
 
 # Seconds before a deadline at which a rank asks the peers it waits for what they are doing,
 # so that the timeout error can say it (capped at a tenth of the timeout).
@@ -1140,8 +1141,13 @@ class Core:
                 if not left:  # (_express counted it in p2p_in)
                     return reply[src]
             while True:
-                self.pump()  # (first: what made the short way stop, if it ran, seen now)
                 q = self.p2p.get((src, tag))
+                if not q:
+                    # (what made the short way stop, if it ran, seen now.) Not when the
+                    # message is here already: a flood of them would be read on, a chunk
+                    # per call, however many wait here
+                    self.pump()
+                    q = self.p2p.get((src, tag))
                 if q:
                     m = q.popleft()
                     if not q:
@@ -1266,7 +1272,21 @@ def run_sync(core: Core, gen: Wait) -> Any:
 
 
 async def run_async(core: Core, gen: Wait) -> Any:
-    """Asyncio driver: as :func:`run_sync`, but waits through the event loop."""
+    """Asyncio driver: as :func:`run_sync`, but waits through the event loop.
+
+    A call whose messages were read already completes without suspending, as
+    ``asyncio.Queue.get`` does when the queue holds something; but its endpoint reads the
+    sockets itself, so a task awaiting such calls back to back, from a peer that keeps
+    sending, would never let the loop run (other tasks, timeouts, cancellation: seen 1.4 s
+    for 60,000 messages). So a call started right after the last one ended, when the loop
+    has had no turn through this endpoint for FAIR_S, gives it one first, before it takes
+    anything (a cancellation there loses nothing). A call started later, or one that waited
+    through the loop, costs nothing more."""
+    ep = core.ep
+    now = _monotonic()
+    if now - ep.ended < FAIR_S <= now - ep.turn:
+        ep.turn = now
+        await asyncio.sleep(0)  # (gen not started: nothing to close if cancelled here)
     try:
         delay = next(gen)
         while True:
@@ -1278,6 +1298,8 @@ async def run_async(core: Core, gen: Wait) -> Any:
             delay = gen.send(None)
     except StopIteration as e:
         return e.value
+    finally:
+        ep.ended = _monotonic()
 
 
 __all__ = ["Call", "Core", "run_sync", "run_async"]

@@ -241,6 +241,8 @@ class ZmqEndpoint:
         self._poller.register(self.bell.fd, zmq.POLLIN)
         # (loop, wake) of an awaited wait in progress (see wake)
         self._aw: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
+        self.turn = 0.0  # when an awaited wait last went through the event loop
+        self.ended = 0.0  # when the last awaited call on this endpoint ended (run_async)
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
         self.me = -1  # this rank, for which what arrives must be MACed (set by the core)
@@ -309,9 +311,11 @@ class ZmqEndpoint:
     def drain(self, sink: Callable[[w.Message | None], int | None], limit: int = 1 << 30
               ) -> int:
         """Receive every message waiting now and hand each to ``sink``, decoded (``None``
-        for a malformed or unauthenticated one). Returns the count."""
+        for a malformed or unauthenticated one). Returns the count. A flood is taken for
+        FAIR_S at most, the rest at the next drain (as TcpEndpoint.drain)."""
         n = 0
         rx = self.rx
+        t0 = 0.0
         while n < limit:
             try:
                 frames = rx.recv_multipart(zmq.DONTWAIT)
@@ -319,6 +323,11 @@ class ZmqEndpoint:
                 break
             n += 1
             sink(w.decode_or_none(frames, self.key, self.me))
+            if not n & 63:
+                if not t0:
+                    t0 = time.monotonic()
+                elif time.monotonic() - t0 >= FAIR_S:
+                    break
         return n
 
     def wait(self, timeout: float) -> None:
@@ -345,8 +354,18 @@ class ZmqEndpoint:
     async def wait_async(self, timeout: float) -> None:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""
         if self.rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            # no need to go through the event loop, but for a turn every FAIR_S (as
+            # TcpEndpoint.wait_async)
+            now = time.monotonic()
+            if now - self.turn < FAIR_S:
+                return
+            self.turn = now
+            await asyncio.sleep(0)
             return
-        await _readable(self.fd, timeout, self._set_aw)
+        try:
+            await _readable(self.fd, timeout, self._set_aw)
+        finally:
+            self.turn = time.monotonic()
 
     def close(self, gone: Collection[int] = ()) -> None:
         """Close the sockets. What is queued for peers still goes out, in a thread the
@@ -809,7 +828,8 @@ class TcpEndpoint:
         # what an awaited wait's reader callback hands the ready sockets to first, while
         # the call reads the short way (Core._express): whether to wake the call
         self.xtake: Callable[[list[tuple[int, int]]], bool] | None = None
-        self._turn = 0.0  # when an awaited wait last went through the event loop
+        self.turn = 0.0  # when an awaited wait last went through the event loop
+        self.ended = 0.0  # when the last awaited call on this endpoint ended (run_async)
         _live.add(self)
 
     def set_peers(self, peers: dict[int, str], local: dict[int, str] | None = None) -> None:
@@ -1085,6 +1105,7 @@ class TcpEndpoint:
         lfds = self._lfds
         view, buf, key, me = self._rview, self._rbuf, self.key, self.me
         ready, self._ready = self._ready, None
+        t0 = 0.0  # (when a flood's first full chunk was read)
         for fd, ev in ready if ready is not None else self.ep.poll(0):
             if fd in lfds:
                 if fd == lfds[2]:
@@ -1133,6 +1154,13 @@ class TcpEndpoint:
                         self._drop_conn(c)
                         break
                     if got < READ_CHUNK or c.paused:
+                        break
+                    # a flood (full chunks back to back): after FAIR_S of it the rest
+                    # waits for the next drain (the socket stays ready: nothing is lost),
+                    # so an awaited call that reads it gives the event loop its turn
+                    if not t0:
+                        t0 = time.monotonic()
+                    elif time.monotonic() - t0 >= FAIR_S:
                         break
                 continue
             if c.connecting and ev & (select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP):
@@ -1265,9 +1293,9 @@ class TcpEndpoint:
             # cancellation) are not held up by a stream that keeps the socket ready
             self._ready = ready
             now = time.monotonic()
-            if now - self._turn < FAIR_S:
+            if now - self.turn < FAIR_S:
                 return
-            self._turn = now
+            self.turn = now
             await asyncio.sleep(0)
             return
         if self.spare_cpu:
@@ -1281,7 +1309,7 @@ class TcpEndpoint:
             ready = self.ep.poll(0)
             if ready:
                 self._ready = ready
-                self._turn = time.monotonic()
+                self.turn = time.monotonic()
                 return
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
@@ -1301,7 +1329,7 @@ class TcpEndpoint:
             await fut
         finally:
             self._waiter = None
-            self._turn = time.monotonic()
+            self.turn = time.monotonic()
 
     def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
         """The event loop saw this endpoint's epoll descriptor readable. With a call waiting,

@@ -137,6 +137,67 @@ def test_event_loop_keeps_running_while_a_collective_waits():
     assert ticks0 >= 10, f"ticker advanced only {ticks0} times during a 0.6 s wait"
 
 
+FLOOD = 100_000
+
+
+def awaited_recv_of_a_flood(g):
+    """Rank 0 sends FLOOD small messages as fast as it can; rank 1, half a second late,
+    receives them awaited, under asyncio.wait_for(..., 0.2), beside a ticker. Messages already
+    read (or still arriving) let recv complete without suspending: the loop must still get
+    turns (the ticker ticks, wait_for fires), and the recv cancelled by wait_for loses
+    nothing: the rest, received after it, completes 0..FLOOD-1 in order."""
+    if g.rank == 0:
+        for i in range(FLOOD):
+            g.send(i, dst=1)
+        g.send("end", dst=1)
+        g.barrier()
+        return None
+
+    async def main():
+        got = []
+        ticks = 0
+        stop = False
+
+        async def ticker():
+            nonlocal ticks
+            while not stop:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        async def drain():
+            while (v := await g.aio.recv(src=0)) != "end":
+                got.append(v)
+
+        t = asyncio.create_task(ticker())
+        await asyncio.sleep(0.5)
+        before = ticks
+        try:
+            await asyncio.wait_for(drain(), 0.2)
+            timed_out = False
+        except asyncio.TimeoutError:
+            timed_out = True
+        during = ticks - before
+        stop = True
+        await t
+        first = len(got)
+        if timed_out:
+            await drain()  # the rest
+        await g.aio.barrier()
+        return timed_out, during, first, got == list(range(FLOOD))
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_an_awaited_recv_loop_over_a_flood_lets_the_event_loop_run(transport):
+    timed_out, ticks, first, in_order = run_group(awaited_recv_of_a_flood, 2, timeout=180,
+                                                 group_kwargs={"transport": transport})[1]
+    # (before: the loop ran only once the flood ended, the ticker not once meanwhile)
+    assert timed_out and first < FLOOD, f"wait_for(0.2) fired only after {first} messages"
+    assert ticks > 0, "the ticker never ran while the messages were received"
+    assert in_order, "messages lost, repeated or reordered around the cancelled recv"
+
+
 def group_gets_more_than_one_group(rank, size, port_a, port_b):
     from ctrlcomm import Group
 
