@@ -48,6 +48,19 @@ def _copy_into(tensor: Any, data: Any) -> None:
         tensor.copy_(data)
 
 
+def _compact(tensor: Any) -> Any:
+    """``tensor`` on the CPU, holding only its own elements: a view (a slice of a weight
+    buffer, say) pickles with its whole storage, and torch.distributed's tensor calls move
+    ``numel()`` elements."""
+    import torch
+
+    t = tensor.detach().cpu()
+    if t.storage_offset() or not t.is_contiguous() \
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def _on_device_of(got: Any, like: Any) -> Any:
     device = getattr(like, "device", None)
     return got if device is None or got.device == device else got.to(device)
@@ -183,7 +196,7 @@ class StatelessProcessGroup:
         """``src``'s tensor: the source gets ``tensor`` back; every other rank a new tensor
         (of the source's shape and dtype, on the device of the ``tensor`` it passed, which
         is left as it is)."""
-        payload = tensor.detach().cpu() if self.rank == src else None
+        payload = _compact(tensor) if self.rank == src else None
         got = self._group.broadcast(payload, src=src)
         if self.rank == src:
             return tensor
@@ -192,9 +205,9 @@ class StatelessProcessGroup:
     def send(self, tensor: Any, dst: int) -> None:
         """Send a tensor to ``dst`` (this rank itself too)."""
         if self._is_me(dst, "send", "dst"):
-            self._send_self(tensor.detach().cpu(), 1)
+            self._send_self(_compact(tensor), 1)
         else:
-            self._group.send(tensor.detach().cpu(), dst, tag=_TENSOR_TAG)
+            self._group.send(_compact(tensor), dst, tag=_TENSOR_TAG)
 
     def recv(self, tensor: Any, src: int) -> Any:
         """Receive the next tensor from ``src`` into ``tensor`` (``tensor.copy_``: another

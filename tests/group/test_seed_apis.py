@@ -362,6 +362,45 @@ def spg_tensors(rank, size, port):
     return out
 
 
+def spg_tensor_views(rank, size, port):
+    """A slice of a large buffer, sent with the tensor methods: only its elements travel (as
+    torch.distributed moves numel() elements), not the buffer's whole storage with it."""
+    import torch
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    out = {}
+    got = pg.broadcast(big[8:12] if rank == 0 else torch.empty(0), src=0)
+    out["bcast"] = (got.tolist(), got.untyped_storage().nbytes())
+    if rank == 0:
+        pg.send(big[100:104], dst=1)
+        pg.send(big[::1 << 18], dst=1)  # strided
+        pg.send(big.view(1024, 1024)[:2, 5], dst=1)  # a column
+    elif rank == 1:
+        for name, n in (("slice", 4), ("strided", 4), ("column", 2)):
+            buf = torch.zeros(n)
+            # (what travelled, taken as the tensor recv takes it, before its copy_)
+            got = pg._group.recv(0, tag=1 << 40)
+            buf.copy_(got)
+            out[name] = (buf.tolist(), got.untyped_storage().nbytes())
+    pg.barrier()
+    pg.close()
+    return out
+
+
+@pytest.mark.torch
+def test_tensor_methods_send_only_a_views_elements():
+    pytest.importorskip("torch")
+    res = run_ranks(spg_tensor_views, 2, free_port())
+    for r in (0, 1):
+        assert res[r]["bcast"] == ([8.0, 9.0, 10.0, 11.0], 16 if r else 4 << 20), res[r]
+    assert res[1]["slice"] == ([100.0, 101.0, 102.0, 103.0], 16)
+    assert res[1]["strided"] == ([0.0, 262144.0, 524288.0, 786432.0], 16)
+    assert res[1]["column"] == ([5.0, 1029.0], 8)
+
+
 @pytest.mark.torch
 def test_tensor_methods():
     pytest.importorskip("torch")
