@@ -12,8 +12,10 @@ import hashlib
 import logging
 import operator
 import os
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -486,6 +488,8 @@ class Group:
     second caller while one is inside gets :class:`ConcurrentUseError`.
     """
 
+    _finalizer: weakref.finalize[Any, Any] | None = None
+
     def __init__(self, core: Core, *, store: StoreClient | None, server: StoreServer | None,
                  server_key: tuple[str, int] | None) -> None:
         self._core = core
@@ -493,6 +497,9 @@ class Group:
         self._server = server
         self._server_key = server_key
         self.aio = AioGroup(self)
+        # a group dropped without close() (vLLM's StatelessProcessGroup has none) is closed
+        # once collected: its heartbeat thread, sockets and store port are not kept for ever
+        self._finalizer = close_when_dropped(self, _close_parts, core, store, server_key)
 
     # ------------------------------------------------------------------ construction
 
@@ -830,7 +837,10 @@ class Group:
         self._core.abort(str(reason))
 
     def close(self) -> None:
-        """Close the group (idempotent; never blocks). Peers waiting on this rank fail fast."""
+        """Close the group (idempotent; never blocks). Peers waiting on this rank fail fast.
+        (A group dropped without it is closed once the garbage collector takes it.)"""
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self._core.close()
         if self.store is not None:
             self.store.close()
@@ -843,6 +853,50 @@ class Group:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_parts(core: Core, store: StoreClient | None,
+                 server_key: tuple[str, int] | None) -> None:
+    """What Group.close does, for a group collected without it."""
+    core.close()
+    if store is not None:
+        store.close()
+    if server_key is not None:
+        _release_server(*server_key)
+
+
+# Objects collected unclosed: their finalizers queue what closes them (SimpleQueue.put is
+# safe in a finalizer, which runs wherever the collector does: under any lock, in any
+# thread), and one thread of the process does it.
+_dropped: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
+_closer: threading.Thread | None = None
+_closer_lock = threading.Lock()
+
+
+def close_when_dropped(obj: object, fn: Callable[..., None], *args: Any
+                       ) -> weakref.finalize[Any, Any]:
+    """Call ``fn(*args)`` (in the closer thread) once ``obj`` is collected, unless the
+    returned finalizer is detached first. Not at exit: what was sent last still goes out
+    then as for a group left open (the transport's linger)."""
+    global _closer
+    with _closer_lock:
+        if _closer is None or not _closer.is_alive():  # (also in a forked child)
+            _closer = threading.Thread(target=_close_dropped, name="ctrlcomm-closer",
+                                       daemon=True)
+            _closer.start()
+    f = weakref.finalize(obj, _dropped.put, (fn, args))
+    f.atexit = False
+    return f
+
+
+def _close_dropped() -> None:
+    while True:
+        fn, args = _dropped.get()
+        try:
+            fn(*args)
+        except Exception as e:  # (nobody to raise it to)
+            log.debug("closing a dropped group failed: %s: %s", type(e).__name__, e)
+        del fn, args
 
 
 class AioGroup:

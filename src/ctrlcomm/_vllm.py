@@ -18,7 +18,7 @@ from typing import Any
 from . import _plans
 from ._core import run_sync
 from ._errors import CodecError, InvalidArgumentError, show
-from ._group import Group, _rank_arg
+from ._group import Group, _rank_arg, close_when_dropped
 from ._store import StoreClient
 from ._transport import StoreServer
 
@@ -86,6 +86,9 @@ class StatelessProcessGroup:
         self.data_expiration_seconds = data_expiration_seconds
         self.socket = socket
         self._server = server
+        # (its group closes itself when collected unclosed; the store served from
+        # listen_socket likewise)
+        self._finalizer = None if server is None else close_when_dropped(self, server.close)
         # what this rank sent itself, pickled (a copy, as the original's store keeps): per
         # kind, objects and tensors
         self._to_self: dict[int, deque[bytes]] = {}
@@ -239,6 +242,8 @@ class StatelessProcessGroup:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self._group.close()
         if self._server is not None:
             self._server.close()

@@ -302,6 +302,49 @@ def test_memory_flat_after_100k_broadcasts():
         assert grown_kb < 8 * 1024, f"RSS grew by {grown_kb} KiB over 100,000 broadcasts"
 
 
+def spg_dropped_unclosed(rank, size, port):
+    """vLLM's StatelessProcessGroup has no close(): code drops it, and the original's TCPStore
+    is freed then. Rank 0 drops its group unclosed: it is closed once collected (its
+    heartbeat thread ends, the store port is freed, the peer is told at once)."""
+    import socket
+    import threading
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    pg.barrier()
+    if rank == 1:
+        t = time.monotonic()
+        try:
+            pg.barrier(timeout=60)
+        except ctrlcomm.PeerLostError as e:
+            return str(e), time.monotonic() - t
+        return "no error"
+    core = pg._group._core
+    del pg
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while core.state != "closed" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    beats = [t.name for t in threading.enumerate() if t.name.startswith("ctrlcomm-heartbeat")]
+    free = False
+    while not free and time.monotonic() < deadline:  # (after the store's keep-alive)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                free = True
+            except OSError:
+                time.sleep(0.2)
+    return core.state, beats, free
+
+
+def test_a_group_dropped_without_close_is_closed_when_collected():
+    res = run_ranks(spg_dropped_unclosed, 2, free_port())
+    assert res[0] == ("closed", [], True), res[0]
+    msg, took = res[1]
+    assert "rank 0 closed the group" in msg and took < 20, res[1]
+
+
 # ---------------------------------------------------------------------- tensors (torch)
 
 
