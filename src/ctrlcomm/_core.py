@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -225,6 +226,7 @@ class Core:
         self._recent: list[tuple[int, int, int]] = [(-1, 0, 0)] * RECENT
         self.ctx = _plans.Ctx(rank, size)
         self.hb = heartbeat
+        self._pid = os.getpid()  # (close() in a forked child leaves the parent's sockets be)
         self.liveness_timeout = liveness_timeout
         self._live_until = 0.0  # until then no peer's heartbeats can be overdue
         self._probed = False  # whether the current step asked the ranks it waits for
@@ -1170,6 +1172,12 @@ class Core:
         if self.state == "closed":
             return
         self.state = "closed"
+        if os.getpid() != self._pid:
+            # a forked child's copy (leaving a `with` block after a fork, say): the sockets
+            # are the parent's, whose group goes on: nothing is said to the peers (a BYE
+            # from here broke the group there), only this process's copies are let go
+            self.ep.close()
+            return
         if self.hb is not None:
             self.hb.close()
         self._defer("close", "")

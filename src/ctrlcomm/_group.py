@@ -868,7 +868,8 @@ def _close_parts(core: Core, store: StoreClient | None,
 # Objects collected unclosed: their finalizers queue what closes them (SimpleQueue.put is
 # safe in a finalizer, which runs wherever the collector does: under any lock, in any
 # thread), and one thread of the process does it.
-_dropped: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
+_dropped: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], int]] = \
+    queue.SimpleQueue()
 _closer: threading.Thread | None = None
 _closer_lock = threading.Lock()
 
@@ -884,19 +885,20 @@ def close_when_dropped(obj: object, fn: Callable[..., None], *args: Any
             _closer = threading.Thread(target=_close_dropped, name="ctrlcomm-closer",
                                        daemon=True)
             _closer.start()
-    f = weakref.finalize(obj, _dropped.put, (fn, args))
+    f = weakref.finalize(obj, _dropped.put, (fn, args, os.getpid()))
     f.atexit = False
     return f
 
 
 def _close_dropped() -> None:
     while True:
-        fn, args = _dropped.get()
+        fn, args, pid = _dropped.get()
         try:
-            fn(*args)
+            if pid == os.getpid():  # (in a forked child the sockets are the parent's)
+                fn(*args)
         except Exception as e:  # (nobody to raise it to)
             log.debug("closing a dropped group failed: %s: %s", type(e).__name__, e)
-        del fn, args
+        del fn, args, pid
 
 
 class AioGroup:

@@ -830,6 +830,7 @@ class TcpEndpoint:
         self.xtake: Callable[[list[tuple[int, int]]], bool] | None = None
         self.turn = 0.0  # when an awaited wait last went through the event loop
         self.ended = 0.0  # when the last awaited call on this endpoint ended (run_async)
+        self._pid = os.getpid()  # (a forked child's close leaves the parent's sockets be)
         _live.add(self)
 
     def set_peers(self, peers: dict[int, str], local: dict[int, str] | None = None) -> None:
@@ -1410,6 +1411,17 @@ class TcpEndpoint:
         if self.closed:
             return
         self.closed = True
+        if os.getpid() != self._pid:
+            # a forked child: the sockets are the parent's, whose streams go on; only this
+            # process's descriptors go (no flush: what the parent queued is the parent's)
+            for c in (*self.conns.values(), *self.out.values()):
+                c.sock.close()
+            for s in (self.lsock, self.usock):
+                if s is not None:
+                    s.close()
+            self.ep.close()
+            self.bell.close()
+            return
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)  # a call waiting in another task looks again
         self._unwatch()
@@ -1471,8 +1483,8 @@ _live: weakref.WeakSet[TcpEndpoint] = weakref.WeakSet()
 def _flush_at_exit() -> None:
     """Deliver what open endpoints still have queued when the process exits (at most
     LINGER_MS in all), as ZeroMQ does when its context is terminated at exit."""
-    conns = [c for ep in list(_live) if not ep.closed for c in ep.out.values()
-             if c.pending and c.sock.fileno() >= 0]
+    conns = [c for ep in list(_live) if not ep.closed and ep._pid == os.getpid()
+             for c in ep.out.values() if c.pending and c.sock.fileno() >= 0]
     if conns:
         _linger(conns, close=False)
 

@@ -518,6 +518,42 @@ def close_in_a_forked_child(rank, size, port, transport):
     return "the child's close() did not return"
 
 
+def close_in_a_forked_child_with_a_peer(rank, size, port, transport):
+    """Rank 0 forks; the child closes its copy of the group (as leaving a `with` block does)
+    and exits. The sockets are the parent's: the child must not speak for it (a BYE from the
+    child broke the group on rank 1), and the group goes on."""
+    import os
+
+    import ctrlcomm
+
+    g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30, transport=transport)
+    g.all_gather(1)
+    if rank == 0:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                g.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    g.barrier()
+    try:
+        out = g.all_reduce(rank + 1), g.all_gather(rank)
+    except ctrlcomm.CtrlcommError as e:
+        out = f"{type(e).__name__}: {e}"
+    g.close()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_a_forked_childs_close_leaves_the_parents_group_working(transport):
+    from ctrlcomm.testing import free_port, run_ranks
+
+    got = run_ranks(close_in_a_forked_child_with_a_peer, 2, free_port(), transport,
+                    timeout=60)
+    assert got == [(3, [0, 1])] * 2, got
+
+
 @pytest.mark.parametrize("transport", ["tcp", "zmq"])
 def test_close_in_a_forked_child_returns(transport):
     # (the ZeroMQ endpoint read its socket at close to learn which peers had said BYE: in a
