@@ -160,18 +160,27 @@ def scatter(ctx: Ctx, objs: Sequence[Any] | None, root: int) -> Plan:
 
 
 def reduce(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: int) -> Plan:
-    n = ctx.size
-    vr = (ctx.rank - root) % n
-    parent, mask = _tree_parent(vr, n)
-    kids = _tree_children(vr, n, mask)
+    # The tree is rooted at rank 0 whatever the root, so that it folds in rank order, as MPI
+    # does (an op may be associative without commuting: concatenation); rooted at ``root``
+    # it folded root..n-1, 0..root-1. Rank 0 then hands the result to the root: one more
+    # hop where the root is another rank (MPICH does the same for such ops).
+    r = ctx.rank
+    parent, mask = _tree_parent(r, ctx.size)
+    kids = _tree_children(r, ctx.size, mask)
     acc = obj
     if kids:
-        got = yield Step(0, recvs=tuple((c + root) % n for c in kids))
-        # children in increasing virtual rank: acc covers [vr, ...) in rank order
+        got = yield Step(0, recvs=tuple(kids))
+        # children in increasing rank: acc covers [r, ...) in rank order
         for c in reversed(kids):
-            acc = combine(acc, got[(c + root) % n])
+            acc = combine(acc, got[c])
     if parent >= 0:
-        yield Step(0, sends=(((parent + root) % n, acc),))
+        yield Step(0, sends=((parent, acc),))
+        if r != root:
+            return None
+        got = yield Step(1, recvs=(0,))
+        return got[0]
+    if root != 0:
+        yield Step(1, sends=((root, acc),))
         return None
     return acc
 

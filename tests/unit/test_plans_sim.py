@@ -63,6 +63,22 @@ def test_reduce_and_all_reduce(op, n, seed, data):
         assert res.results == [expected] * n
 
 
+@given(n=sizes, seed=seeds, data=st.data())
+def test_reductions_combine_in_rank_order_whatever_the_root(n, seed, data):
+    # an op that is associative but does not commute (MPI allows it, and folds in rank
+    # order): concatenation. The tree reduce folded from its root on ([4..8, 0..3] for dst
+    # 4 of 9), as its virtual ranks run
+    root = data.draw(st.integers(0, n - 1))
+    combine = _ops.safe(operator.add)
+    for name, plan in _algo.VARIANTS["reduce"].items():
+        res = simulate(lambda c, p=plan: p(c, [c.rank], combine, root), n, seed=seed)
+        assert res.results == [list(range(n)) if r == root else None for r in range(n)], \
+            (name, n, root)
+    for name, plan in _algo.VARIANTS["all_reduce"].items():
+        res = simulate(lambda c, p=plan: p(c, [c.rank], combine), n, seed=seed)
+        assert res.results == [list(range(n))] * n, (name, n)
+
+
 @given(n=sizes, seed=seeds)
 def test_all_reduce_float_results_identical_on_all_ranks(n, seed):
     vals = [0.1 * (r + 1) ** 1.7 for r in range(n)]
