@@ -7,6 +7,7 @@ asyncio driver. Both views share one :class:`ctrlcomm._core.Core`, hence one seq
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import logging
@@ -80,7 +81,10 @@ def _peer_arg(core: Core, value: Any, what: str, op: str) -> int:
 
 
 def _seconds(value: Any) -> float:
-    """``value`` as a float, NaN where it is none (NaN fails every ``> 0`` check)."""
+    """``value`` as a float, NaN where it is none (NaN fails every ``> 0`` check); a
+    ``datetime.timedelta``, as torch.distributed's timeouts are, in seconds."""
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -616,6 +620,9 @@ class Group:
         if not _seconds(heartbeat_interval) > 0:
             raise InvalidArgumentError(f"heartbeat_interval must be > 0, got "
                                        f"{show(heartbeat_interval)}")
+        heartbeat_interval = _seconds(heartbeat_interval)
+        if liveness_timeout is not None:
+            liveness_timeout = _seconds(liveness_timeout)
         server = _acquire_server(host, port, key, encrypt) if host_store else None
         store = ep = hb = None
         try:

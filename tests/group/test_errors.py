@@ -897,6 +897,35 @@ def test_bad_timeouts_are_invalid_arguments_naming_them(monkeypatch):
         ctrlcomm.Group.from_env()
 
 
+def timedelta_timeouts(g):
+    import datetime
+
+    td = datetime.timedelta(seconds=20)
+    out = [g.all_reduce(1, timeout=td), g.all_gather(g.rank, timeout=td)]
+    if g.rank == 0:
+        g.send("x", dst=1, timeout=td)
+    else:
+        out.append(g.recv(src=0, timeout=td))
+    g.barrier(timeout=td)
+    try:
+        g.barrier(timeout=datetime.timedelta(0))
+    except ctrlcomm.InvalidArgumentError as e:
+        out.append(str(e))
+    return out, g._core.timeout
+
+
+def test_timeouts_may_be_timedeltas_as_torch_distributed_takes_them():
+    import datetime
+
+    res = run_group(timedelta_timeouts, 2,
+                    group_kwargs={"timeout": datetime.timedelta(minutes=2),
+                                  "liveness_timeout": datetime.timedelta(seconds=10)})
+    for out, default in res:
+        assert out[:2] == [2, [0, 1]] and default == 120.0, out
+        assert out[-1].startswith("barrier") and "timeout must be > 0" in out[-1], out
+    assert res[1][0][2] == "x"
+
+
 def calls_with_bad_timeouts(g):
     errors = []
     for call in (lambda: g.all_reduce(1, timeout="x"), lambda: g.barrier(timeout=[1]),
