@@ -353,6 +353,10 @@ def mpi_missing() -> str | None:
         return "mpi4py is not installed (pip install 'ctrlcomm[mpi]')"
     if mpiexec() is None:
         return "no mpiexec found (pip install mpich)"
+    try:
+        import numpy  # noqa: F401
+    except ImportError:  # (its all_reduce sends numpy arrays, as MPI's buffer calls take)
+        return "numpy is not installed (pip install 'ctrlcomm[mpi]')"
     return None
 
 
@@ -371,8 +375,10 @@ def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
             json.dump({k: cfg[k] for k in ("ops", "sizes", "iters", "warmup")}, f)
         cmd = [exe, "-n", str(n), sys.executable, "-m", "ctrlcomm._bench_mpi", cfg_path, tmp]
         env = dict(os.environ, MPIR_CVAR_CH4_NETMOD="", HYDRA_LAUNCHER="fork")
-        with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                              start_new_session=True) as p:
+        err_path = os.path.join(tmp, "stderr")
+        with open(err_path, "wb") as err, \
+                subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                 start_new_session=True) as p:
             try:
                 code = p.wait(timeout)
             except BaseException:  # past the timeout, or Ctrl-C / SIGTERM to the bench
@@ -380,7 +386,13 @@ def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
                 p.wait()
                 raise
         if code:
-            raise subprocess.CalledProcessError(code, cmd)
+            # what the ranks said last (their tracebacks' last lines), not their tracebacks
+            with open(err_path, "rb") as f:
+                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+            said = [ln for ln in lines if ln and not ln.startswith(("File ", "Traceback", "^"))]
+            why = "; ".join(dict.fromkeys(said[-3:])) or "nothing on stderr"
+            raise subprocess.SubprocessError(f"mpiexec -n {n} exited with status {code}: "
+                                             f"{why[:500]}")
         out = []
         for r in range(n):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:

@@ -84,6 +84,14 @@ def parse_size(text: str) -> int:
     return int(n * mult)
 
 
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
 def check_cfg(cfg: Mapping[str, Any]) -> None:
     """Raise ValueError naming the setting for a benchmark configuration that cannot run."""
     bad = [o for o in cfg["ops"] if o not in DEFAULT_OPS]
@@ -96,6 +104,11 @@ def check_cfg(cfg: Mapping[str, Any]) -> None:
     for size in cfg["sizes"]:
         if type(size) is not int or size < 1:
             raise ValueError(f"sizes must be integers >= 1 (bytes), got {size!r}")
+    if "all_reduce" in cfg["ops"] and any(s > SMALL for s in cfg["sizes"]) \
+            and not _importable("numpy"):
+        raise ValueError(f"sizes above {SMALL} bytes: all_reduce sends them as a numpy array, "
+                         "and numpy is not installed (pip install numpy), or leave those "
+                         "sizes or all_reduce out")
 
 
 def env_key() -> str | None:

@@ -822,3 +822,39 @@ def test_the_progress_bar_redraws_on_a_terminal_and_writes_a_line_per_tenth_else
                                                       "flush": lambda s: None})))
     bare.step("x")  # a stream without isatty is not a terminal
     assert bare.tty is False
+
+
+def _hide_numpy(tmp_path):
+    """A PYTHONPATH on which `import numpy` fails, as on a machine without it (ctrlcomm does
+    not depend on numpy)."""
+    (tmp_path / "numpy.py").write_text("raise ImportError(\"No module named 'numpy' (hidden)\")\n")
+    return str(tmp_path)
+
+
+def test_without_numpy_large_all_reduce_is_refused_before_running_and_mpi_is_skipped(tmp_path):
+    env = {"PYTHONPATH": _hide_numpy(tmp_path)}
+    # (all_reduce of more than 64 bytes sends a numpy array: it failed every op of the world
+    # size, after running some, with a rank's ModuleNotFoundError)
+    p = run("-n", "2", "--ops", "barrier,all_reduce", "--sizes", "8,1K", "--iters", "5",
+            "--warmup", "1", env=env, timeout=120)
+    assert p.returncode == 2 and "numpy is not installed" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "done" not in p.stderr, p.stderr
+    # (mpi4py's baseline sends numpy arrays: it failed with every rank's traceback)
+    p = run("-n", "2", "--ops", "barrier", "--iters", "5", "--warmup", "1", "--against", "mpi",
+            env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "skipping mpi: numpy is not installed" in p.stderr + p.stdout, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_failed_mpi_run_says_what_its_ranks_said(tmp_path, monkeypatch):
+    import subprocess as sp
+
+    from ctrlcomm import _baselines
+
+    if _baselines.mpiexec() is None:
+        pytest.skip("no mpiexec")
+    monkeypatch.setenv("PYTHONPATH", _hide_numpy(tmp_path))  # (the ranks fail importing it)
+    cfg = {"ops": ["barrier"], "sizes": [8], "iters": 2, "warmup": 0, "timeout": 120}
+    with pytest.raises(sp.SubprocessError, match=r"mpiexec -n 2 exited .*numpy.*\(hidden\)"):
+        _baselines.run_mpi(2, cfg)
