@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -396,6 +397,12 @@ def merge(a: list[Results], b: list[Results]) -> list[Results]:
     return out
 
 
+def _p99(ordered: Sequence[float]) -> float:
+    """The 99th percentile of sorted samples, by nearest rank: the ceil(0.99 n)-th smallest
+    (of 100, the 99th, not the largest; of 1000, the 990th)."""
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
 def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, Any]]:
     """Each (op, size)'s figures over the ranks that take part in it: every rank, but ranks 0
     and 1 alone for a ping-pong (:data:`PAIR_OPS`; the others' empty calls would pull the
@@ -406,7 +413,7 @@ def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, Any]]:
         runs = [r[key]["times"] for r in takers]
         slowest = [max(ts) for ts in zip(*runs, strict=True)]
         slowest.sort()
-        p99 = slowest[min(len(slowest) - 1, int(0.99 * len(slowest)))]
+        p99 = _p99(slowest)
         every = sorted(t for ts in runs for t in ts)  # each rank's time of each iteration
         # CPU over wall time of the same calls, per rank: 1.0 would be spinning (or a rank
         # that never waits, as a broadcast's root)
@@ -418,7 +425,7 @@ def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, Any]]:
             # the same over every rank's own time (OSU's view: a rank's latency of the call;
             # the figures above are the stricter one, when the whole collective is done)
             "median_all_us": statistics.median(every) * 1e6,
-            "p99_all_us": every[min(len(every) - 1, int(0.99 * len(every)))] * 1e6,
+            "p99_all_us": _p99(every) * 1e6,
             "cpu_us": statistics.fmean(r[key]["cpu"] for r in takers) * 1e6,
             "cpu_frac": statistics.fmean(taking),
             # the same two for each rank, in rank order (a root's differ from the others')

@@ -858,3 +858,11 @@ def test_a_failed_mpi_run_says_what_its_ranks_said(tmp_path, monkeypatch):
     cfg = {"ops": ["barrier"], "sizes": [8], "iters": 2, "warmup": 0, "timeout": 120}
     with pytest.raises(sp.SubprocessError, match=r"mpiexec -n 2 exited .*numpy.*\(hidden\)"):
         _baselines.run_mpi(2, cfg)
+
+
+def test_p99_is_the_nearest_rank_percentile():
+    from ctrlcomm._bench import _p99
+
+    # (it was the sample at int(0.99 n): of 100, the largest; of 1000, the 991st)
+    assert _p99(list(range(1, 101))) == 99 and _p99(list(range(1, 1001))) == 990
+    assert _p99([7.0]) == 7.0 and _p99([2, 5, 9]) == 9 and _p99(list(range(1, 201))) == 198
