@@ -303,7 +303,9 @@ def _reduction(core: Core, name: str, obj: Any, op: Any
 def _spec_reduce(core: Core, obj: Any, op: Any, dst: int) -> Call:
     root = _rank_arg(core, dst, "dst", "reduce")
     combine, code, obj = _reduction(core, "reduce", obj, op)
-    return Call("reduce", choose("reduce", core.size), (obj, combine, root), code, root, True)
+    # (a callable may not commute: folded in rank order, as MPI does; the named ops commute)
+    return Call("reduce", choose("reduce", core.size), (obj, combine, root, callable(op)),
+                code, root, True)
 
 
 def _spec_all_reduce(core: Core, obj: Any, op: Any) -> Call:

@@ -11,7 +11,8 @@ so the blocking driver, the asyncio driver and the in-memory simulator
 Every algorithm is correct for any world size >= 1:
 
 - barrier: dissemination, ceil(log2 N) rounds of one message.
-- broadcast / scatter / gather / reduce: binomial trees rooted anywhere, ceil(log2 N) depth.
+- broadcast / scatter / gather / reduce: binomial trees rooted anywhere, ceil(log2 N) depth
+  (reduce with a callable op: rooted at rank 0, folding in rank order, then one hop to the root).
 - all_reduce: recursive doubling with the usual fold for non-powers of two (ranks beyond the
   largest power of two hand their value to a partner first and get the result last), or a
   flat one-round exchange for small worlds; every rank combines in the same order, so float
@@ -159,27 +160,31 @@ def scatter(ctx: Ctx, objs: Sequence[Any] | None, root: int) -> Plan:
     return mine[vr]
 
 
-def reduce(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: int) -> Plan:
-    # The tree is rooted at rank 0 whatever the root, so that it folds in rank order, as MPI
-    # does (an op may be associative without commuting: concatenation); rooted at ``root``
-    # it folded root..n-1, 0..root-1. Rank 0 then hands the result to the root: one more
-    # hop where the root is another rank (MPICH does the same for such ops).
-    r = ctx.rank
-    parent, mask = _tree_parent(r, ctx.size)
-    kids = _tree_children(r, ctx.size, mask)
+def reduce(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: int,
+           ordered: bool = True) -> Plan:
+    """A binomial tree. ``ordered`` (an op that may not commute: a user's callable; MPI
+    folds in rank order, and concatenation is associative without commuting): the tree is
+    rooted at rank 0, which folds in rank order, and rank 0 hands the result to the root,
+    one more hop where that is another rank (as MPICH for such ops). Else (the named ops,
+    which commute) rooted at the root, whose fold runs root..n-1, 0..root-1."""
+    n = ctx.size
+    top = 0 if ordered else root
+    vr = (ctx.rank - top) % n
+    parent, mask = _tree_parent(vr, n)
+    kids = _tree_children(vr, n, mask)
     acc = obj
     if kids:
-        got = yield Step(0, recvs=tuple(kids))
-        # children in increasing rank: acc covers [r, ...) in rank order
+        got = yield Step(0, recvs=tuple((c + top) % n for c in kids))
+        # children in increasing virtual rank: acc covers [vr, ...) in rank order
         for c in reversed(kids):
-            acc = combine(acc, got[c])
+            acc = combine(acc, got[(c + top) % n])
     if parent >= 0:
-        yield Step(0, sends=((parent, acc),))
-        if r != root:
+        yield Step(0, sends=(((parent + top) % n, acc),))
+        if ctx.rank != root:
             return None
-        got = yield Step(1, recvs=(0,))
-        return got[0]
-    if root != 0:
+        got = yield Step(1, recvs=(top,))
+        return got[top]
+    if root != top:
         yield Step(1, sends=((root, acc),))
         return None
     return acc
@@ -350,7 +355,9 @@ def scatter_flat(ctx: Ctx, objs: Sequence[Any] | None, root: int) -> Plan:
     return got[root]
 
 
-def reduce_flat(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: int) -> Plan:
+def reduce_flat(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: int,
+                ordered: bool = True) -> Plan:
+    # (the root folds every rank's part in rank order: ``ordered`` or not)
     got = yield from gather_flat(ctx, obj, root)
     if got is None:
         return None

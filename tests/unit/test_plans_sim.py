@@ -56,8 +56,11 @@ def test_reduce_and_all_reduce(op, n, seed, data):
     vals = values(n)
     combine = _ops.safe(_ops.resolve(op, "t", 0))
     expected = freduce(combine, [(v, 1) for v in vals])
-    res = simulate(lambda c: _plans.reduce(c, (vals[c.rank], 1), combine, root), n, seed=seed)
-    assert res.results[root] == expected
+    for ordered in (True, False):  # (False: the named ops' tree, rooted at the root)
+        res = simulate(lambda c, o=ordered: _plans.reduce(c, (vals[c.rank], 1), combine, root,
+                                                          o), n, seed=seed)
+        assert res.results[root] == expected
+        assert all(x is None for r, x in enumerate(res.results) if r != root)
     for plan in (_plans.all_reduce_doubling, _plans.all_reduce_flat):
         res = simulate(lambda c, p=plan: p(c, (vals[c.rank], 1), combine), n, seed=seed)
         assert res.results == [expected] * n
