@@ -1289,12 +1289,19 @@ async def run_async(core: Core, gen: Wait) -> Any:
     for 60,000 messages). So a call started right after the last one ended, when the loop
     has had no turn through this endpoint for FAIR_S, gives it one first, before it takes
     anything (a cancellation there loses nothing). A call started later, or one that waited
-    through the loop, costs nothing more."""
+    through the loop, costs nothing more. While such a turn is pending, a call that starts
+    (another task's, scheduled in the same pass of the loop) takes one too, behind it: the
+    calls keep the order the tasks started them in (two sends gathered stay in order, and
+    the second does not find the group taken by a third)."""
     ep = core.ep
     now = _monotonic()
-    if now - ep.ended < FAIR_S <= now - ep.turn:
+    if ep.yielding or now - ep.ended < FAIR_S <= now - ep.turn:
         ep.turn = now
-        await asyncio.sleep(0)  # (gen not started: nothing to close if cancelled here)
+        ep.yielding += 1
+        try:
+            await asyncio.sleep(0)  # (gen not started: nothing to close if cancelled here)
+        finally:
+            ep.yielding -= 1
     try:
         delay = next(gen)
         while True:

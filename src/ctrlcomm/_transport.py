@@ -243,6 +243,7 @@ class ZmqEndpoint:
         self._aw: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
         self.turn = 0.0  # when an awaited wait last went through the event loop
         self.ended = 0.0  # when the last awaited call on this endpoint ended (run_async)
+        self.yielding = 0  # awaited calls giving the loop a turn before they start (run_async)
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
         self.me = -1  # this rank, for which what arrives must be MACed (set by the core)
@@ -830,6 +831,7 @@ class TcpEndpoint:
         self.xtake: Callable[[list[tuple[int, int]]], bool] | None = None
         self.turn = 0.0  # when an awaited wait last went through the event loop
         self.ended = 0.0  # when the last awaited call on this endpoint ended (run_async)
+        self.yielding = 0  # awaited calls giving the loop a turn before they start (run_async)
         self._pid = os.getpid()  # (a forked child's close leaves the parent's sockets be)
         _live.add(self)
 
