@@ -1386,26 +1386,44 @@ class TcpEndpoint:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    def _unwatch(self) -> None:
+    def _unwatch(self, closing: bool = False) -> bool:
+        """Stop watching the epoll descriptor in the event loop. ``closing``: it is to be
+        closed; returns True when the loop, running in another thread, closes it itself
+        once it has stopped watching it (closed here first, its number could be another
+        descriptor's by then, which the loop's late remove_reader would unwatch, or whose
+        add_reader would find the old entry and never watch it)."""
         loop, self._loop = self._loop, None
         timer, self._timer = self._timer, None
         if loop is None or loop.is_closed():
-            return
+            return False
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         try:
             if loop.is_running() and loop is not running:  # it runs in another thread
-                loop.call_soon_threadsafe(loop.remove_reader, self.fd)
+                if closing:
+                    loop.call_soon_threadsafe(self._unwatch_and_close, loop)
+                else:
+                    loop.call_soon_threadsafe(loop.remove_reader, self.fd)
                 if timer is not None:
                     loop.call_soon_threadsafe(timer.cancel)
+                return closing
             else:
                 loop.remove_reader(self.fd)
                 if timer is not None:
                     timer.cancel()
         except (RuntimeError, ValueError, OSError):  # the loop is closing
             pass
+        return False
+
+    def _unwatch_and_close(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(In the loop's thread: see _unwatch.)"""
+        try:
+            loop.remove_reader(self.fd)
+        except (RuntimeError, ValueError, OSError):
+            pass
+        self.ep.close()
 
     def close(self, gone: Collection[int] = ()) -> None:
         """Close every socket; unsent data goes on in a short-lived thread (like a linger).
@@ -1426,7 +1444,7 @@ class TcpEndpoint:
             return
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)  # a call waiting in another task looks again
-        self._unwatch()
+        handed = self._unwatch(closing=True)  # (the loop's thread closes the epoll then)
         for c in self.out.values():
             if c.pending and not c.connecting and c.sock.fileno() >= 0:
                 self._flush(c)
@@ -1438,7 +1456,8 @@ class TcpEndpoint:
         self.lsock.close()
         if self.usock is not None:
             self.usock.close()
-        self.ep.close()
+        if not handed:
+            self.ep.close()
         self.bell.close()
         if left:
             # not a daemon: a process that exits right after close() still delivers its last

@@ -489,6 +489,60 @@ def test_abort_or_close_from_another_task_ends_a_waiting_call_at_once(store, wha
         assert name == "GroupClosedError" and closed, msg
 
 
+def closed_from_a_thread_while_the_loop_is_busy(rank, size, port):
+    """Rank 0's group waited through its event loop (the loop watches the group's epoll
+    descriptor); another thread closes it (as the closer of a dropped group does) while the
+    loop is busy. The descriptor's number must not be free before the loop has stopped
+    watching it: an unrelated reader the loop then adds on a descriptor of that number was
+    never called (the loop's late remove_reader removed it)."""
+    g = _group(rank, size, port, name="busyloop")
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 waits meanwhile, through its loop
+        g.barrier()
+        g.store.wait(["busyloop done"], timeout=60)
+        return None
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        g._core.ep.spare_cpu = False  # (every wait through the loop)
+        await g.aio.barrier()
+        old = g._core.ep.fd
+        t = threading.Thread(target=g.close)
+        t.start()
+        t.join()  # (the loop is busy meanwhile: the close's loop work waits)
+        held, a = [], None
+        for _ in range(20):  # the next descriptors: one may get the old number
+            x, y = socket.socketpair()
+            held += [x, y]
+            if old in (x.fileno(), y.fileno()):
+                a, b = (x, y) if x.fileno() == old else (y, x)
+                break
+        if a is None:
+            a, b = held[-2], held[-1]
+        fired = asyncio.Event()
+        loop.add_reader(a, fired.set)
+        b.send(b"x")
+        try:
+            await asyncio.wait_for(fired.wait(), 5)
+            out = "fired"
+        except asyncio.TimeoutError:
+            out = f"the reader on descriptor {a.fileno()} (the group's was {old}) never fired"
+        loop.remove_reader(a)
+        for s in held:
+            s.close()
+        return out
+
+    out = asyncio.run(main())
+    st = ctrlcomm.StoreClient("127.0.0.1", port, prefix="ctrlcomm/busyloop/", timeout=30)
+    st.set("busyloop done", b"1")
+    st.close()
+    return out
+
+
+def test_a_close_from_another_thread_leaves_the_loops_other_readers_working(store):
+    assert run_ranks(closed_from_a_thread_while_the_loop_is_busy, 2, store.port)[0] == "fired"
+
+
 def test_liveness_default_comes_from_the_environment_also_for_the_seed_apis():
     from ctrlcomm._group import _env_liveness
 
