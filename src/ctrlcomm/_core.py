@@ -1256,6 +1256,8 @@ class Core:
             return
         self.brk(GroupBrokenError(f"group {self.name!r} was aborted by rank {self.rank} "
                                   f"(this rank): {reason}"))
+        if os.getpid() != self._pid:  # a forked child's copy: as in close(), not a word
+            return
         self._defer("abort", reason)
 
 

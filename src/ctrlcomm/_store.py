@@ -218,7 +218,7 @@ class StoreClient:
                  auth_key: bytes | str | None = None, encrypt: bool = False) -> None:
         from ._transport import StoreConnection
 
-        self.host, self.port, self.timeout, self.prefix = host, int(port), float(timeout), prefix
+        self.host, self.port, self.timeout, self.prefix = host, int(port), _secs(timeout), prefix
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
         if encrypt and not key:
             raise InvalidArgumentError("an encrypted store connection needs an auth_key")

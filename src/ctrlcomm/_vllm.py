@@ -19,7 +19,7 @@ from . import _plans
 from ._core import run_sync
 from ._errors import CodecError, InvalidArgumentError, show
 from ._group import Group, _rank_arg, close_when_dropped
-from ._store import StoreClient
+from ._store import StoreClient, _secs
 from ._transport import StoreServer
 
 _TENSOR_TAG = 1 << 40  # point-to-point tensors travel apart from send_obj/recv_obj objects
@@ -87,8 +87,8 @@ class StatelessProcessGroup:
         self.socket = socket
         self._server = server
         # (its group closes itself when collected unclosed; the store served from
-        # listen_socket likewise)
-        self._finalizer = None if server is None else close_when_dropped(self, server.close)
+        # listen_socket likewise, with the group: `pg.group` may outlive this wrapper)
+        self._finalizer = None if server is None else close_when_dropped(group, server.close)
         # what this rank sent itself, pickled (a copy, as the original's store keeps): per
         # kind, objects and tensors
         self._to_self: dict[int, deque[bytes]] = {}
@@ -109,7 +109,7 @@ class StatelessProcessGroup:
                                  auth_key=os.environ.get("CTRLCOMM_AUTH_KEY") or None)
         try:
             g = Group.create(host, port, rank, world_size, name="stateless",
-                             timeout=float(store_timeout),
+                             timeout=_secs(store_timeout),
                              host_store=None if server is None else False)
         except BaseException:
             if server is not None:

@@ -568,7 +568,7 @@ def close_in_a_forked_child(rank, size, port, transport):
     return "the child's close() did not return"
 
 
-def close_in_a_forked_child_with_a_peer(rank, size, port, transport):
+def close_in_a_forked_child_with_a_peer(rank, size, port, transport, what="close"):
     """Rank 0 forks; the child closes its copy of the group (as leaving a `with` block does)
     and exits. The sockets are the parent's: the child must not speak for it (a BYE from the
     child broke the group on rank 1), and the group goes on."""
@@ -582,7 +582,7 @@ def close_in_a_forked_child_with_a_peer(rank, size, port, transport):
         pid = os.fork()
         if pid == 0:
             try:
-                g.close()
+                g.close() if what == "close" else g.abort("the child gives up")
             finally:
                 os._exit(0)
         os.waitpid(pid, 0)
@@ -595,11 +595,12 @@ def close_in_a_forked_child_with_a_peer(rank, size, port, transport):
     return out
 
 
+@pytest.mark.parametrize("what", ["close", "abort"])
 @pytest.mark.parametrize("transport", ["tcp", "zmq"])
-def test_a_forked_childs_close_leaves_the_parents_group_working(transport):
+def test_a_forked_childs_close_leaves_the_parents_group_working(transport, what):
     from ctrlcomm.testing import free_port, run_ranks
 
-    got = run_ranks(close_in_a_forked_child_with_a_peer, 2, free_port(), transport,
+    got = run_ranks(close_in_a_forked_child_with_a_peer, 2, free_port(), transport, what,
                     timeout=60)
     assert got == [(3, [0, 1])] * 2, got
 

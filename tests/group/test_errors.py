@@ -917,6 +917,18 @@ def timedelta_timeouts(g):
 def test_timeouts_may_be_timedeltas_as_torch_distributed_takes_them():
     import datetime
 
+    from ctrlcomm.testing import free_port
+
+    # the store client's and vLLM's store_timeout too
+    with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
+        st = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=datetime.timedelta(seconds=9))
+        assert st.timeout == 9.0
+        st.close()
+    pg = ctrlcomm.StatelessProcessGroup.create("127.0.0.1", free_port(), 0, 1,
+                                               store_timeout=datetime.timedelta(seconds=30))
+    assert pg.group._core.timeout == 30.0
+    pg.close()
+
     res = run_group(timedelta_timeouts, 2,
                     group_kwargs={"timeout": datetime.timedelta(minutes=2),
                                   "liveness_timeout": datetime.timedelta(seconds=10)})
