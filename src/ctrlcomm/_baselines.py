@@ -388,8 +388,10 @@ def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
         if code:
             # what the ranks said last (their tracebacks' last lines), not their tracebacks
             with open(err_path, "rb") as f:
-                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
-            said = [ln for ln in lines if ln and not ln.startswith(("File ", "Traceback", "^"))]
+                lines = f.read().decode(errors="replace").splitlines()
+            # (a traceback's frames and source lines are indented; what was raised is not)
+            said = [ln.strip() for ln in lines
+                    if ln.strip() and not ln[:1].isspace() and not ln.startswith("Traceback")]
             why = "; ".join(dict.fromkeys(said[-3:])) or "nothing on stderr"
             raise subprocess.SubprocessError(f"mpiexec -n {n} exited with status {code}: "
                                              f"{why[:500]}")
