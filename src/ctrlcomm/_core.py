@@ -53,7 +53,14 @@ from ._errors import (
     MismatchTimeoutError,
     PeerLostError,
 )
-from ._transport import COPY_THRESHOLD, FAIR_S, Heartbeat, TcpEndpoint, ZmqEndpoint
+from ._transport import (
+    COPY_THRESHOLD,
+    FAIR_S,
+    Heartbeat,
+    TcpEndpoint,
+    ZmqEndpoint,
+    _turn_due,
+)
 
 # Seconds before a deadline at which a rank asks the peers it waits for what they are doing,
 # so that the timeout error can say it (capped at a tenth of the timeout).
@@ -1296,9 +1303,7 @@ async def run_async(core: Core, gen: Wait) -> Any:
     calls keep the order the tasks started them in (two sends gathered stay in order, and
     the second does not find the group taken by a third)."""
     ep = core.ep
-    now = _monotonic()
-    if ep.yielding or now - ep.ended < FAIR_S <= now - ep.turn:
-        ep.turn = now
+    if ep.yielding or (_monotonic() - ep.ended < FAIR_S and _turn_due(ep)):
         ep.yielding += 1
         try:
             await asyncio.sleep(0)  # (gen not started: nothing to close if cancelled here)

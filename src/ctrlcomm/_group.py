@@ -7,7 +7,6 @@ asyncio driver. Both views share one :class:`ctrlcomm._core.Core`, hence one seq
 
 from __future__ import annotations
 
-import datetime
 import functools
 import hashlib
 import logging
@@ -37,7 +36,7 @@ from ._errors import (
     StoreTimeoutError,
     show,
 )
-from ._store import StoreClient
+from ._store import StoreClient, _secs
 from ._transport import (
     Heartbeat,
     StoreServer,
@@ -81,13 +80,11 @@ def _peer_arg(core: Core, value: Any, what: str, op: str) -> int:
 
 
 def _seconds(value: Any) -> float:
-    """``value`` as a float, NaN where it is none (NaN fails every ``> 0`` check); a
-    ``datetime.timedelta``, as torch.distributed's timeouts are, in seconds."""
-    if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
+    """``value`` in seconds, as the store's methods take it (a number, or a timedelta, as
+    torch.distributed's timeouts are); NaN where it is none (NaN fails every ``> 0`` check)."""
     try:
-        return float(value)
-    except (TypeError, ValueError):
+        return _secs(value)
+    except InvalidArgumentError:
         return float("nan")
 
 
@@ -616,15 +613,15 @@ class Group:
         if host_store is None:
             host_store = rank == 0
         deadline = time.monotonic() + t
-        if liveness_timeout is not None and not _seconds(liveness_timeout) > 0:
+        live = None if liveness_timeout is None else _seconds(liveness_timeout)
+        if live is not None and not live > 0:
             raise InvalidArgumentError(f"liveness_timeout must be > 0 or None, got "
                                        f"{show(liveness_timeout)}")
-        if not _seconds(heartbeat_interval) > 0:
+        beat = _seconds(heartbeat_interval)
+        if not beat > 0:
             raise InvalidArgumentError(f"heartbeat_interval must be > 0, got "
                                        f"{show(heartbeat_interval)}")
-        heartbeat_interval = _seconds(heartbeat_interval)
-        if liveness_timeout is not None:
-            liveness_timeout = _seconds(liveness_timeout)
+        liveness_timeout, heartbeat_interval = live, beat
         server = _acquire_server(host, port, key, encrypt) if host_store else None
         store = ep = hb = None
         try:
@@ -850,12 +847,8 @@ class Group:
         (A group dropped without it is closed once the garbage collector takes it.)"""
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._core.close()
-        if self.store is not None:
-            self.store.close()
-        if self._server_key is not None:
-            key, self._server_key = self._server_key, None
-            _release_server(*key)
+        key, self._server_key = self._server_key, None
+        _close_parts(self._core, self.store, key)
 
     def __enter__(self) -> Group:
         return self

@@ -355,13 +355,8 @@ class ZmqEndpoint:
     async def wait_async(self, timeout: float) -> None:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""
         if self.rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            # no need to go through the event loop, but for a turn every FAIR_S (as
-            # TcpEndpoint.wait_async)
-            now = time.monotonic()
-            if now - self.turn < FAIR_S:
-                return
-            self.turn = now
-            await asyncio.sleep(0)
+            if _turn_due(self):  # (no need to go through the event loop, but for that)
+                await asyncio.sleep(0)
             return
         try:
             await _readable(self.fd, timeout, self._set_aw)
@@ -641,6 +636,18 @@ _EXPRESS, _EXPRESS_SIZE, _EXPRESS_LEAD = w.EXPRESS.unpack_from, w.EXPRESS.size, 
 _HEAD, _MAGIC, _VERSION, _PICKLE = w.HEADER.pack, w.MAGIC, w.VERSION, w.PICKLE
 _EPOLLIN = select.EPOLLIN
 FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
+
+
+def _turn_due(ep: TcpEndpoint | ZmqEndpoint) -> bool:
+    """Whether an awaited wait that need not go through the event loop (what it waits for is
+    there) gives the loop a turn all the same: when it has had none through ``ep`` for
+    FAIR_S, so that other tasks (and a cancellation) are not held up by a stream that keeps
+    the socket ready."""
+    now = time.monotonic()
+    if now - ep.turn < FAIR_S:
+        return False
+    ep.turn = now
+    return True
 READ_CHUNK = 256 * 1024
 PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
 READ_BUDGET = 8 * 1024 * 1024  # per connection per drain, so one flooding peer cannot starve
@@ -1295,11 +1302,8 @@ class TcpEndpoint:
             # loop has not had a turn for FAIR_S, it gets one, so other tasks (and a
             # cancellation) are not held up by a stream that keeps the socket ready
             self._ready = ready
-            now = time.monotonic()
-            if now - self.turn < FAIR_S:
-                return
-            self.turn = now
-            await asyncio.sleep(0)
+            if _turn_due(self):
+                await asyncio.sleep(0)
             return
         if self.spare_cpu:
             # the ranks of this host have a CPU each: what is waited for is likely a few
