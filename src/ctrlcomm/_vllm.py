@@ -26,6 +26,7 @@ _TENSOR_TAG = 1 << 40  # point-to-point tensors travel apart from send_obj/recv_
 # broadcast_obj's messages: one ordered stream per source, as the original's store keys
 # "broadcast_from/{src}/{n}" are (see broadcast_obj)
 _BCAST_TAG = (1 << 40) + 1
+_TAGS = (0, _TENSOR_TAG)  # the tag of each stream _send and _recv take (objects, tensors)
 
 
 def _torch_op(op: Any) -> str:
@@ -123,24 +124,33 @@ class StatelessProcessGroup:
     def send_obj(self, obj: Any, dst: int) -> None:
         """Send an object to ``dst`` (returns at once; ordered per destination; this rank
         itself too, as in vLLM)."""
-        if self._is_me(dst, "send_obj", "dst"):
-            self._send_self(obj, 0)
-        else:
-            self._group.send(obj, dst)
+        self._send(obj, dst, 0, "send_obj", "send_obj(dst={})")
 
     def recv_obj(self, src: int) -> Any:
         """The next object ``src`` sent to this rank."""
-        if self._is_me(src, "recv_obj", "src"):
-            return self._recv_self(0, "recv_obj")
-        return self._group.recv(src)
+        return self._recv(src, 0, "recv_obj", "recv_obj(src={})")
+
+    def _send(self, obj: Any, dst: Any, kind: int, op: str, what: str) -> None:
+        """``obj`` to ``dst`` in stream ``kind`` (0: objects, 1: tensors), this rank too;
+        ``what``, with the rank, names the call in errors."""
+        c = self._group._core
+        dst = _rank_arg(c, dst, "dst", op)
+        if dst == self.rank:
+            self._send_self(obj, kind)
+        else:
+            run_sync(c, c.send(obj, dst, _TAGS[kind], None, what.format(dst)))
+
+    def _recv(self, src: Any, kind: int, op: str, what: str) -> Any:
+        c = self._group._core
+        src = _rank_arg(c, src, "src", op)
+        if src == self.rank:
+            return self._recv_self(kind, op)
+        return run_sync(c, c.recv(src, _TAGS[kind], None, what.format(src)))
 
     @property
     def group(self) -> Group:
         """The :class:`ctrlcomm.Group` underneath (its collectives, ``aio``, ``stats``)."""
         return self._group
-
-    def _is_me(self, rank: Any, op: str, what: str) -> bool:
-        return _rank_arg(self._group._core, rank, what, op) == self.rank
 
     def _send_self(self, obj: Any, kind: int) -> None:
         self._group._core.check_open()
@@ -207,18 +217,16 @@ class StatelessProcessGroup:
 
     def send(self, tensor: Any, dst: int) -> None:
         """Send a tensor to ``dst`` (this rank itself too)."""
-        if self._is_me(dst, "send", "dst"):
-            self._send_self(_compact(tensor), 1)
-        else:
-            self._group.send(_compact(tensor), dst, tag=_TENSOR_TAG)
+        self._send(_compact(tensor), dst, 1, "send", "send(tensor, dst={})")
 
     def recv(self, tensor: Any, src: int) -> Any:
         """Receive the next tensor from ``src`` into ``tensor`` (``tensor.copy_``: another
-        dtype is cast, a shape broadcast to ``tensor``'s); returns ``tensor``."""
-        if self._is_me(src, "recv", "src"):
-            got = self._recv_self(1, "recv")
-        else:
-            got = self._group.recv(src, tag=_TENSOR_TAG)
+        dtype is cast; as many elements fill it in order whatever the sent shape, as
+        torch.distributed's recv does, and fewer are broadcast to its shape where they can
+        be); returns ``tensor``."""
+        got = self._recv(src, 1, "recv", "recv(tensor, src={})")
+        if got.shape != tensor.shape and got.numel() == tensor.numel():
+            got = got.reshape(tensor.shape)
         try:
             _copy_into(tensor, got)
         except RuntimeError as e:

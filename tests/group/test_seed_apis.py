@@ -85,6 +85,35 @@ def test_a_broadcast_obj_that_never_comes_times_out_naming_it():
     assert "broadcast_obj(src=0)" in msg and "[0]" in msg, msg
 
 
+def spg_p2p_never_sent(rank, size, port):
+    """recv_obj and tensor recv that time out: their errors name the call as the user made it
+    (not ctrlcomm's send/recv with the tag the tensors travel under)."""
+    import torch
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size, store_timeout=1)
+    out = []
+    if rank == 1:
+        for f in (lambda: pg.recv_obj(0), lambda: pg.recv(torch.zeros(2), src=0)):
+            try:
+                f()
+            except ctrlcomm.CollectiveTimeoutError as e:
+                out.append(str(e))
+    pg.barrier(timeout=10)
+    return out
+
+
+@pytest.mark.torch
+def test_p2p_timeouts_name_the_call_made():
+    pytest.importorskip("torch")
+    got = run_ranks(spg_p2p_never_sent, 2, free_port())[1]
+    assert len(got) == 2, got
+    assert got[0].startswith("recv_obj(src=0) on group") and "[0]" in got[0], got
+    assert got[1].startswith("recv(tensor, src=0) on group") and "[0]" in got[1], got
+    assert all("tag" not in m and str(1 << 40) not in m for m in got), got
+
+
 def share_unique_id(group_like):
     uid = b"\x01unique-id" if group_like.rank == 0 else None
     return group_like.broadcast_obj(uid, src=0)
@@ -379,6 +408,7 @@ def spg_tensors(rank, size, port):
         pg.send(torch.arange(4, dtype=torch.float32), dst=1)
         pg.send_obj("an object, not a tensor", dst=1)
         pg.send(torch.tensor([1, 2, 3, 4]), dst=1)  # int64, into a float32 tensor
+        pg.send(torch.tensor([[4.0, 5.0], [6.0, 7.0]]), dst=1)  # (2, 2) into (4,)
         pg.send(torch.ones(3), dst=1)  # a shape that does not fit
     elif rank == 1:
         buf = torch.zeros(4)
@@ -387,6 +417,8 @@ def spg_tensors(rank, size, port):
         out["obj"] = pg.recv_obj(0)
         pg.recv(buf, src=0)
         out["recv_cast"] = (buf.tolist(), buf.dtype == torch.float32)
+        pg.recv(buf, src=0)  # as many elements, another shape: in order, as torch's recv
+        out["recv_reshaped"] = buf.tolist()
         try:
             pg.recv(buf, src=0)
         except ctrlcomm.InvalidArgumentError as e:
@@ -462,6 +494,7 @@ def test_tensor_methods():
     assert res[1]["recv_returns_it"] is True and res[1]["recv"] == [0.0, 1.0, 2.0, 3.0]
     assert res[1]["obj"] == "an object, not a tensor"
     assert res[1]["recv_cast"] == ([1.0, 2.0, 3.0, 4.0], True)
+    assert res[1]["recv_reshaped"] == [4.0, 5.0, 6.0, 7.0]
     assert "rank 0" in res[1]["recv_misfit"] and "(3,)" in res[1]["recv_misfit"]
     assert res[2]["param_recv"] == ([5.0, 6.0], True)
 
