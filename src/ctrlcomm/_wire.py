@@ -520,6 +520,7 @@ _new_tuple = tuple.__new__
 # (magic, 2 frames, the header's size), and the header's magic and version
 _FASTR = struct.Struct("<12sQ3s" + HEADER.format[4:])
 _FSIZE = _FASTR.size
+_PREFIX_MAX = STREAM_HEAD.size + 8 * MAX_FRAMES  # the longest stream prefix
 _LEAD = struct.pack("<2sHQ", STREAM_MAGIC, 2, HEADER.size)
 _MV = struct.pack("<2sB", MAGIC, VERSION)
 assert _FAST2.size == _FSIZE and HEADER.format.startswith("<2sB")
@@ -595,28 +596,65 @@ class StreamDecoder:
         errors as :meth:`feed`. (``buf`` is a receive buffer: nothing returned refers to it.)
 
         The same as ``[decode_or_none(f, key, dst) for f in feed(buf[:end])]``, in one pass for
-        the usual case: a read that holds whole unauthenticated two-frame messages only."""
-        if key is None and not self.buf and self._lens is None and self.error is None:
-            pos = 0
-            out: list[Message | None] = []
-            hmax = self.max_message - HEADER.size
-            while end - pos >= _FSIZE:
-                lead, b, mv, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf = \
-                    _FASTR.unpack_from(buf, pos)
-                p = pos + _FSIZE
-                pos = p + b
-                if lead != _LEAD or pos > end or b > hmax or mv != _MV or kind not in KINDS \
-                        or codec not in CODECS or flags or nbuf:
-                    break  # not the usual message: decode() says what is wrong with it
-                # tuple.__new__: a Message without its Python-level __new__ (one per message)
-                out.append(_new_tuple(Message, (kind, src, gid, seq, rnd, op, root, codec,
-                                                buf[p:pos], ())))  # a copy of the payload
-            else:
-                if pos == end:
-                    return out
-            # the rest the general way (what was decoded above is decoded again)
-        with memoryview(buf) as view:
-            return [decode_or_none(f, key, dst) for f in self.feed(view[:end])]
+        the usual case: whole unauthenticated two-frame messages. A message that a read cuts
+        (every full read of a stream of small messages ends inside one) is kept, and the next
+        read completes it the general way, then goes on in one pass; anything unusual goes
+        the general way from where it starts."""
+        if key is not None or self.error is not None:
+            with memoryview(buf) as view:
+                return [decode_or_none(f, key, dst) for f in self.feed(view[:end])]
+        pos = 0
+        out: list[Message | None] = []
+        if self.buf:  # a message begun in an earlier read: what completes it, the general way
+            pos = self._rest_of_carried(buf, end)
+            with memoryview(buf) as view:
+                out = [decode_or_none(f, key, dst) for f in self.feed(view[:pos])]
+            if pos == end or self.error is not None or self.buf:
+                return out
+        hmax = self.max_message - HEADER.size
+        while end - pos >= _FSIZE:
+            lead, b, mv, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf = \
+                _FASTR.unpack_from(buf, pos)
+            p = pos + _FSIZE
+            nxt = p + b
+            if nxt > end or lead != _LEAD or b > hmax or mv != _MV or kind not in KINDS \
+                    or codec not in CODECS or flags or nbuf:
+                break  # cut by the read, or not the usual message: the general way
+            # tuple.__new__: a Message without its Python-level __new__ (one per message)
+            out.append(_new_tuple(Message, (kind, src, gid, seq, rnd, op, root, codec,
+                                            buf[p:nxt], ())))  # a copy of the payload
+            pos = nxt
+        if pos == end:
+            return out
+        with memoryview(buf) as view:  # the rest, from a message's start
+            try:
+                rest = self.feed(view[pos:end])
+            except WireError as e:  # (as feed: messages before it are returned, it is kept)
+                if not out:
+                    raise
+                self.error = e
+                return out
+        out += [decode_or_none(f, key, dst) for f in rest]
+        return out
+
+    def _rest_of_carried(self, buf: bytes | bytearray, end: int) -> int:
+        """How many bytes of ``buf[:end]`` complete the message begun in :attr:`buf`; ``end``
+        where they do not, or where its prefix is not the usual (the general way then takes
+        the whole read, and says what is wrong)."""
+        have = len(self.buf)
+        if self._lens is not None:
+            total = self._head + sum(self._lens)
+        else:  # (its prefix incomplete: it ends in this read, or the message is malformed)
+            with memoryview(buf) as view:
+                head = bytes(self.buf) + bytes(view[:min(end, _PREFIX_MAX)])
+            if len(head) < STREAM_HEAD.size:
+                return end
+            magic, n = STREAM_HEAD.unpack_from(head)
+            need = STREAM_HEAD.size + 8 * n
+            if magic != STREAM_MAGIC or not 1 <= n <= MAX_FRAMES or len(head) < need:
+                return end
+            total = need + sum(struct.unpack_from(f"<{n}Q", head, STREAM_HEAD.size))
+        return min(max(total - have, 0), end)
 
     def _whole(self, data: bytes | memoryview) -> list[list[bytes]] | None:
         """Messages straight from ``data`` when it holds whole, well-formed messages only

@@ -6,6 +6,7 @@ the sequential reference. World sizes 1, 2, 3, 4, 5 and 8, and both transports.
 
 import asyncio
 import operator
+import time
 
 import pytest
 
@@ -246,6 +247,49 @@ def test_an_awaited_recv_loop_over_a_flood_lets_the_event_loop_run(transport):
     assert timed_out and first < FLOOD, f"wait_for(0.2) fired only after {first} messages"
     assert ticks > 0, "the ticker never ran while the messages were received"
     assert in_order, "messages lost, repeated or reordered around the cancelled recv"
+
+
+def reads_of_a_flood(g):
+    """Rank 0 floods rank 1 with small messages, then (after a barrier) sends 1 MiB; rank 1,
+    late, takes them while recording how many bytes each read of its socket held (TcpEndpoint's reads go
+    through StreamDecoder.messages)."""
+    from ctrlcomm import _transport, _wire
+
+    if g.rank == 0:
+        for i in range(20_000):
+            g.send(i, dst=1)
+        g.barrier()
+        g.send(b"x" * (1 << 20), dst=1)
+        g.barrier()
+        return None
+    reads = []
+    messages = _wire.StreamDecoder.messages
+
+    def recording(self, buf, end, *args):
+        reads.append(end)
+        return messages(self, buf, end, *args)
+
+    _wire.StreamDecoder.messages = recording
+    time.sleep(0.5)  # the flood piles up
+    ok = [g.recv(0) for _ in range(20_000)] == list(range(20_000))
+    g.barrier()
+    during = list(reads)
+    big = g.recv(0)
+    c = next(c for c in g._core.ep.conns.values() if c.inbound and c.rank == 0)
+    g.barrier()
+    return ok, during, len(big), c.rsize, _transport.FLOOD_READ, _transport.READ_CHUNK
+
+
+def test_a_flood_of_small_messages_is_read_in_small_reads():
+    # a read of READ_CHUNK holds 3,400 small messages: an awaited call that makes it holds
+    # the event loop while it decodes them all (40-140 ms seen). After a read of many small
+    # messages, reads are of FLOOD_READ bytes; after a full one of a large message, of
+    # READ_CHUNK again.
+    ok, reads, big, rsize, flood_read, chunk = run_group(reads_of_a_flood, 2, timeout=120)[1]
+    assert ok and big == 1 << 20
+    assert max(reads[2:]) <= flood_read < max(reads[:2]), \
+        [(i, r) for i, r in enumerate(reads) if r != flood_read]
+    assert rsize == chunk
 
 
 def group_gets_more_than_one_group(rank, size, port_a, port_b):

@@ -362,3 +362,22 @@ def test_stream_message_is_the_framing_of_its_frames(kind, src, gid, seq, rnd, o
     want = w.Message(kind, src, gid, seq, rnd, op, root, codec, payload)
     assert w.StreamDecoder().messages(bytearray(data), len(data)) == [want]
     assert [w.decode(f) for f in w.StreamDecoder().feed(data)] == [want]
+
+
+def test_messages_takes_a_cut_stream_in_one_pass(monkeypatch):
+    # every full read of a stream of small messages ends inside one: the message cut is
+    # completed by the next read the general way, and the rest of that read still goes the
+    # one-pass way (before: each such read went the general way whole, 3x slower per message)
+    data = b"".join(w.stream_message(w.P2P, 1, 7, i + 1, 0, 0, w.NO_ROOT, w.PICKLE,
+                                     pickle.dumps(i)) for i in range(1000))
+    general = []
+    decode_or_none = w.decode_or_none
+    monkeypatch.setattr(w, "decode_or_none", lambda *a: general.append(1) or decode_or_none(*a))
+    dec, buf, got = w.StreamDecoder(), bytearray(1000), []
+    for i in range(0, len(data), 1000):
+        part = data[i : i + 1000]
+        buf[: len(part)] = part
+        got += dec.messages(buf, len(part))
+    assert [pickle.loads(m.payload) for m in got] == list(range(1000))
+    assert [m.seq for m in got] == list(range(1, 1001))
+    assert len(general) <= len(data) // 1000 + 1  # one per read: the message it cut
