@@ -383,7 +383,8 @@ class Core:
             elif reason.startswith(LOST_PREFIX):
                 # a peer lost ranks and tells everyone: name those ranks, not the messenger
                 head, _, text = reason[len(LOST_PREFIX):].partition("|")
-                lost = [int(x) for x in head.split(",") if x.strip().isdigit()]
+                lost = [r for r in (int(x) for x in head.split(",") if x.strip().isdecimal())
+                        if r in self._peers]  # (isdecimal: int() takes it; "²" isdigit)
                 for r in lost:
                     self.gone.setdefault(r, f"is gone (reported by rank {m.src}: {text})")
                 self.brk(PeerLostError(f"group {self.name!r}: rank(s) {lost} lost (reported by "

@@ -766,8 +766,9 @@ class Group:
         """Counters: messages sent and received, and frames dropped by reason."""
         c = self._core
         dropped = dict(c.dropped)
-        for k, v in getattr(c.ep, "dropped", {}).items():
-            dropped[k] = dropped.get(k, 0) + v
+        for part in (c.ep, c.hb):  # (the transport's and the heartbeats' drops)
+            for k, v in getattr(part, "dropped", {}).items():
+                dropped[k] = dropped.get(k, 0) + v
         return {"sent": c.sent, "received": c.received, "dropped": dropped,
                 "seq": c.seq, "state": c.state, "transport": c.ep.kind}
 

@@ -24,6 +24,7 @@ MAX_KEY = 4096
 MAX_VALUE = 16 * 1024 * 1024
 MAX_KEYS_STORED = 1_000_000
 MAX_WAITERS = 100_000
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(slots=True)
@@ -62,6 +63,9 @@ class StoreState:
             out = self._handle(peer, req, now)
         except _Refused as e:
             out = [(peer, w.StoreReply(w.R_ERROR, req.req_id, (str(e).encode(),)))]
+        except Exception as e:  # (not expected: answered, never the end of the server)
+            out = [(peer, w.StoreReply(w.R_ERROR, req.req_id,
+                                       (f"{type(e).__name__}: {e}"[:1000].encode(),)))]
         if len(self.recent) >= MAX_WAITERS and peer not in self.recent:
             self.recent.pop(next(iter(self.recent)))
         self.recent[peer] = (req.req_id, None)
@@ -120,9 +124,11 @@ class StoreState:
                 cur = int(self.data.get(key, b"0"))
             except ValueError:
                 delta = None
-            if delta is None:
-                raise _Refused("add needs an integer value and key")
-            new = str(cur + delta).encode()
+            if delta is None or not (_I64_MIN <= cur <= _I64_MAX and
+                                     _I64_MIN <= delta <= _I64_MAX):
+                raise _Refused("add needs a 64-bit integer amount, and a key that holds one")
+            # 64-bit, wrapping, as TCPStore's (and a result that is always short to write)
+            new = str((cur + delta - _I64_MIN) % (1 << 64) + _I64_MIN).encode()
             self._put(key, new)
             replies = [(peer, w.StoreReply(w.R_OK, req.req_id, (new,)))]
         elif op == w.S_CAS:
@@ -311,7 +317,13 @@ class StoreClient:
             cur = rep.values[0] if rep.values else None
 
     def add(self, key: str | bytes, amount: int, *, timeout: float | None = None) -> int:
-        return int(self._call(w.S_ADD, [self._k(key)], [str(int(amount)).encode()], timeout).values[0])
+        """Add ``amount`` to the 64-bit integer ``key`` holds (0 if absent), wrapping as
+        TCPStore's add does; returns the new value."""
+        n = int(amount)
+        if not _I64_MIN <= n <= _I64_MAX:
+            raise InvalidArgumentError(f"store add of {key!r}: the amount must be a 64-bit "
+                                       f"integer, got one of {n.bit_length()} bits")
+        return int(self._call(w.S_ADD, [self._k(key)], [str(n).encode()], timeout).values[0])
 
     def compare_set(self, key: str | bytes, expected: str | bytes | None, desired: str | bytes, *,
                     timeout: float | None = None) -> bytes:

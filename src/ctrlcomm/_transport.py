@@ -1564,6 +1564,10 @@ def make_endpoint(transport: str, bind_host: str,
 # (Heartbeat.running). One long C call uses a whole CPU, or its share of one where processes
 # outnumber CPUs; a hung process's threads waiting for the GIL use about 0.1%.
 RUNNING_CPU_SHARE = 0.05
+# running() judges a process by its CPU time over at least RUNNING_WINDOW_S (its CPU times
+# move in ticks of 1/CLK_TCK s); a look older than RUNNING_STALE_S starts a new window.
+RUNNING_WINDOW_S = 0.2
+RUNNING_STALE_S = 2.0
 try:
     _CLK_TCK = float(os.sysconf("SC_CLK_TCK"))  # the unit of CPU times in /proc
 except (AttributeError, OSError, ValueError):
@@ -1605,9 +1609,10 @@ class Heartbeat:
         self.peers: dict[int, tuple[str, int]] = {}
         self.procs: dict[int, tuple[int, int]] = {}  # same-host peers: (pid, start time)
         self._cpu_seen: dict[int, tuple[float, float]] = {}  # their (time, CPU s) last looked
+        self._running: dict[int, bool] = {}  # what the last look over a window found
         self.last_seen: dict[int, float] = {}
         self.beats: dict[int, int] = {}  # the number of the last beat taken from each peer
-        self.dropped = 0
+        self.dropped: dict[str, int] = {}  # datagrams dropped, by reason (Group.stats)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -1659,20 +1664,25 @@ class Heartbeat:
                 continue
             self._accept(data)
 
+    def _drop(self, why: str) -> None:
+        why = "heartbeat_" + why
+        self.dropped[why] = self.dropped.get(why, 0) + 1
+
     def _accept(self, data: bytes) -> None:
         n = self.FMT.size
         if len(data) != n + (16 if self.key else 0):
-            self.dropped += 1
+            if data or not self._stop.is_set():  # (not close()'s wake-up)
+                self._drop("malformed")
             return
         gid, src, beat = self.FMT.unpack_from(data)
         if gid != self.group_id or src not in self.peers:
-            self.dropped += 1
+            self._drop("other_group" if gid != self.group_id else "bad_src")
             return
         if self.key and not hmac.compare_digest(self._mac(data[:n], self.rank), data[n:]):
-            self.dropped += 1
+            self._drop("unauthenticated")
             return
         if beat <= self.beats.get(src, 0):  # a replay (or one overtaken on the way)
-            self.dropped += 1
+            self._drop("replayed")
             return
         self.beats[src] = beat
         self.last_seen[src] = time.monotonic()
@@ -1697,7 +1707,8 @@ class Heartbeat:
     def running(self, rank: int) -> bool | None:
         """Whether silent peer ``rank`` is a process of this host that runs, as while one long
         C call holds its GIL and so keeps its heartbeat thread from sending: it used at least
-        :data:`RUNNING_CPU_SHARE` of a CPU since the last look. False for a peer elsewhere, a
+        :data:`RUNNING_CPU_SHARE` of a CPU over the last window (RUNNING_WINDOW_S at least; a
+        look within one answers what the last window found). False for a peer elsewhere, a
         process that is stopped (SIGSTOP), has exited, or used less (hung: its threads wait,
         the ones waiting for the GIL wake for a few microseconds every 5 ms). None on a first
         look at a process that is neither stopped nor gone: look again shortly."""
@@ -1716,10 +1727,17 @@ class Heartbeat:
             return False
         now = time.monotonic()
         before = self._cpu_seen.get(rank)
-        self._cpu_seen[rank] = (now, cpu)
-        if before is None:
+        if before is None or now - before[0] > RUNNING_STALE_S:
+            self._cpu_seen[rank] = (now, cpu)
+            self._running.pop(rank, None)
             return None
-        return cpu - before[1] >= RUNNING_CPU_SHARE * (now - before[0])
+        if now - before[0] < RUNNING_WINDOW_S:
+            # CPU times move in ticks (10 ms): looks closer than this cannot tell a running
+            # process from a hung one (a busy loop of calls looks again on every wait)
+            return self._running.get(rank)
+        self._cpu_seen[rank] = (now, cpu)
+        runs = self._running[rank] = cpu - before[1] >= RUNNING_CPU_SHARE * (now - before[0])
+        return runs
 
     def silent_for(self, rank: int, now: float) -> float:
         """Seconds since ``rank`` was last heard from (0 for unknown ranks)."""

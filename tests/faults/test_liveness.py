@@ -278,6 +278,13 @@ def test_running_tells_a_busy_process_from_a_stopped_sleeping_exited_or_other_on
         time.sleep(0.25)
         assert hb.running(1) is True
         assert hb.running(2) is False
+        # looks closer together than its CPU time's tick (10 ms), as a busy loop of calls
+        # makes on every wait: what the last window found, never "not running" for a busy
+        # process that no tick was counted to in between (before: False, the peer lost)
+        for _ in range(50):
+            assert hb.running(1) is True
+            assert hb.running(2) is False
+            time.sleep(0.0005)
         assert hb.running(3) is False  # another start time: that process is gone
         assert hb.running(4) is False  # exited
         assert hb.running(5) is False  # not a process of this host
@@ -371,10 +378,35 @@ def test_a_replayed_heartbeat_or_one_made_for_another_rank_is_dropped(key):
         if key:
             assert not taken(a.datagram(2, 4))  # beat 4, made for rank 2
         assert taken(a.datagram(1, 4))
-        assert b.dropped == (3 if key else 2)
+        assert b.dropped == ({"heartbeat_replayed": 2, "heartbeat_unauthenticated": 1} if key
+                             else {"heartbeat_replayed": 2})
+        other = Heartbeat("127.0.0.1", 8, 0, key, 5.0)  # another group's
+        other.sock.close()
+        a.sock.sendto(b"garbage", to_b)
+        a.sock.sendto(other.datagram(1, 9), to_b)
+        time.sleep(0.05)
+        b.catch_up()
+        assert b.dropped["heartbeat_malformed"] == 1 and b.dropped["heartbeat_other_group"] == 1
     finally:
         a.sock.close()
         b.sock.close()
+
+
+def _heartbeat_garbage(rank, size, port):
+    g = _group(rank, size, port)
+    if rank == 1:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"not a heartbeat", ("127.0.0.1", g._core.hb.port))
+        time.sleep(0.3)
+    dropped = g.stats()["dropped"]
+    g.barrier()
+    g.close()
+    return dropped
+
+
+def test_dropped_heartbeats_are_counted_in_stats(store):
+    # (before: counted apart, and stats() did not show them)
+    assert run_ranks(_heartbeat_garbage, 2, store.port)[1].get("heartbeat_malformed") == 1
 
 
 @pytest.mark.parametrize("n", [2])

@@ -137,6 +137,25 @@ def test_store_refusal_is_a_store_error(store):
     c.close()
 
 
+def test_add_is_64_bit_and_wraps_as_tcpstores_and_the_store_serves_on(store):
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+    assert c.add("w", 2**63 - 1) == 2**63 - 1
+    assert c.add("w", 1) == -(2**63)  # wraps, as TCPStore's int64
+    assert c.add("w", -1) == 2**63 - 1
+    # a value of 4,301 digits: its sum had more digits than int() may write, and the
+    # ValueError ended the store's thread: no request of anyone was answered after it
+    c.set("big", "9" * 4300)
+    with pytest.raises(ctrlcomm.StoreError, match="64-bit"):
+        c.add("big", 1)
+    c.set("big", str(2**63))
+    with pytest.raises(ctrlcomm.StoreError, match="64-bit"):
+        c.add("big", 1)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="64-bit"):
+        c.add("n", 2**64)
+    assert c.add("n", 5) == 5  # still serving
+    c.close()
+
+
 def test_store_command_serves_groups():
     port = free_port()
     with subprocess.Popen([sys.executable, "-m", "ctrlcomm", "store", "--host", "127.0.0.1",

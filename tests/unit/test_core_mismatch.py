@@ -278,3 +278,15 @@ def test_each_call_asks_on_its_own_schedule_and_shows_only_its_own_answers(monke
     with pytest.raises(ctrlcomm.MismatchTimeoutError) as e:
         g.broadcast(None, src=0, timeout=20.0)
     assert e.value.peer_states[0].startswith("not asked"), e.value.peer_states
+
+
+def test_a_lost_ranks_report_with_odd_digits_names_only_ranks_of_the_group():
+    # "²" passes str.isdigit() and int() refuses it: a bare ValueError came out of the
+    # receive path; ranks out of the group were recorded as lost too
+    g = group(0, 3, ScriptedEndpoint([]))
+    c = g._core
+    c._accept(w.Message(w.ABORT, 1, GID, 0, 0, 0, w.NO_ROOT, w.RAW,
+                        "\x00lost:²,2,7,-1|rank 2 died".encode()))
+    assert c.state == "broken"
+    assert isinstance(c.cause, ctrlcomm.PeerLostError) and c.cause.ranks == [2]
+    assert set(c.gone) == {2}
