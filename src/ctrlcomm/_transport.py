@@ -657,6 +657,7 @@ READ_CHUNK = 256 * 1024
 # (A flood of small messages pays one more system call per 200 of them.)
 FLOOD_READ = 16 * 1024
 PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
+ACCEPT_BATCH = 32  # connections accepted per drain
 READ_BUDGET = 8 * 1024 * 1024  # per connection per drain, so one flooding peer cannot starve
 
 
@@ -821,8 +822,9 @@ class TcpEndpoint:
         # of these ranks is sent straight away (send_framed)
         self.direct: dict[int, socket.socket] = {}
         self.on_lost = on_lost
-        self.max_inbound = max_inbound
+        self.max_inbound = max_inbound  # inbound connections not identified yet, at most
         self.inbound = 0
+        self.unknown: dict[int, _Conn] = {}  # those, oldest first (by fd)
         self.dropped: dict[str, int] = {}
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
@@ -1055,30 +1057,37 @@ class TcpEndpoint:
                 pass
         if c.inbound:
             self.inbound -= 1
+            if self.unknown.get(c.fd) is c:
+                del self.unknown[c.fd]
         c.sock.close()
         c.pending.clear()
 
     # ------------------------------------------------------------------ incoming
 
     def _accept(self, ls: socket.socket) -> None:
-        while True:
+        # a few at a time (the listener stays ready): what the connections accepted send is
+        # read, and identifies a peer's, before a burst of others can take their places
+        for _ in range(ACCEPT_BATCH):
             try:
                 s, _ = ls.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return
-            if self.inbound >= self.max_inbound:
-                self._count("connection_limit")
-                s.close()
-                continue
             if ls is self.usock and not _same_user(s):
                 self._count("foreign_user")
                 s.close()
                 continue
+            if len(self.unknown) >= self.max_inbound:
+                # the oldest connection that has not said who it is goes: a peer's says so
+                # in its first message, at once; idle ones (anyone can open them, without
+                # the key) must not keep the peers out
+                self._count("connection_limit")
+                self._drop_conn(next(iter(self.unknown.values())))
             s.setblocking(False)
             c = _Conn(s, inbound=True, rank=None)
             self.conns[c.fd] = c
+            self.unknown[c.fd] = c
             self.inbound += 1
             self._register(c, select.EPOLLIN)
 
@@ -1100,6 +1109,7 @@ class TcpEndpoint:
             src = sink(m)
             if src is not None:
                 c.rank = src
+                self.unknown.pop(c.fd, None)
         return True
 
     def _deliver(self, rank: int, msgs: list[w.Message | None],

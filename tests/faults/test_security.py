@@ -443,6 +443,37 @@ def test_garbage_on_every_socket_changes_nothing():
     assert conns < 20  # garbage connections were dropped, idle ones closed by their peer
 
 
+def idle_connections_first(g):
+    """Before any rank has sent anything (connections are made at a rank's first send to a
+    peer), rank 2 opens 300 idle connections to each other rank's port and keeps them open:
+    anyone can, without the key. The ranks then compute."""
+    socks = []
+    if g.rank == 2:
+        for r in (0, 1):
+            host, port = g._core.ep.peers[r][len("tcp://"):].rsplit(":", 1)
+            for _ in range(300):
+                socks.append(socket.create_connection((host, int(port)), timeout=5))
+        time.sleep(0.5)  # (accepted, each in its turn)
+    else:
+        time.sleep(2.0)
+    out = [g.all_gather(g.rank) for _ in range(3)] + [g.all_reduce(1)]
+    dropped = g.stats()["dropped"]
+    g.barrier()
+    for s in socks:
+        s.close()
+    return out, dropped
+
+
+def test_idle_connections_do_not_keep_the_peers_out():
+    # (before: they took the 256 places for inbound connections, the peers' were refused,
+    # and every rank failed naming a live rank lost)
+    res = run_group(idle_connections_first, 3, timeout=120,
+                    group_kwargs={"auth_key": b"k" * 16})
+    for out, _ in res:
+        assert out == [[0, 1, 2]] * 3 + [3]
+    assert all(res[r][1].get("connection_limit", 0) >= 300 - 256 for r in (0, 1)), res
+
+
 def cycles(rank, size, port, n):
     import threading as th
 
