@@ -249,7 +249,17 @@ class Core:
         endpoint.on_lost = self._lost
         endpoint.key = key
         endpoint.me = rank  # what a keyed message's MAC must be made for
+        if isinstance(endpoint, TcpEndpoint):
+            endpoint.set_hello(self._hello)
         self._sink = endpoint.sink = self._accept
+
+    def _hello(self, dst: int) -> bytes:
+        """The first message on a stream connection to ``dst``, framed: this rank sends on
+        it (MACed for ``dst`` in a keyed group). Until a connection's first message says
+        who sends on it, its peer takes small messages only (TcpEndpoint)."""
+        frames = w.encode(w.Message(w.HELLO, self.rank, self.group_id, 0, 0, 0, w.NO_ROOT),
+                          self.key, dst)
+        return w.stream_prefix(frames) + b"".join(frames)
 
     def _lost(self, rank: int, why: str, certain: bool) -> None:
         text = f"is gone ({why}; its process died or exited without close())"
@@ -318,6 +328,8 @@ class Core:
         if gid != self.group_id or src not in self._peers:
             self.dropped["other_group" if gid != self.group_id else "bad_src"] += 1
             return None
+        if kind == w.HELLO:  # (it names the connection's sender: nothing else to do)
+            return src
         self.received += 1
         k = kind
         if k == _COLL:

@@ -220,7 +220,7 @@ class ZmqEndpoint:
             self.curve_public, secret = zmq.curve_keypair()
             _curve_server(self.rx, secret)
         self.rx.setsockopt(zmq.RCVHWM, HWM)
-        self.rx.setsockopt(zmq.MAXMSGSIZE, 1 << 34)
+        self.rx.setsockopt(zmq.MAXMSGSIZE, w.MAX_MESSAGE)  # (a frame of more is never ours)
         if ipv6 or ":" in bind_host:
             self.rx.setsockopt(zmq.IPV6, 1)
         addr = _tcp(bind_host, "*")
@@ -658,6 +658,7 @@ READ_CHUNK = 256 * 1024
 FLOOD_READ = 16 * 1024
 PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object headers)
 ACCEPT_BATCH = 32  # connections accepted per drain
+UNIDENTIFIED_MAX = 64 * 1024  # the largest message a connection takes before it is identified
 READ_BUDGET = 8 * 1024 * 1024  # per connection per drain, so one flooding peer cannot starve
 
 
@@ -825,6 +826,8 @@ class TcpEndpoint:
         self.max_inbound = max_inbound  # inbound connections not identified yet, at most
         self.inbound = 0
         self.unknown: dict[int, _Conn] = {}  # those, oldest first (by fd)
+        self._hello: Callable[[int], bytes] | None = None  # see set_hello
+        self.hello_len = 0
         self.dropped: dict[str, int] = {}
         self.closed = False
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
@@ -904,16 +907,38 @@ class TcpEndpoint:
         c = _Conn(s, inbound=False, rank=dst)
         self.conns[c.fd] = c
         self.out[dst] = c
+        hello = self._hello(dst) if self._hello is not None else b""  # (first: see set_hello)
         if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
             c.connecting = True
             self.unflushed.add(c)
             self._register(c, select.EPOLLOUT | select.EPOLLIN)
+            if hello:
+                self._queue(c, [hello], 0)
         elif err:
             self._lose(c, f"cannot connect to {self.peers[dst]}: {os.strerror(err)}")
         else:
             self._register(c, select.EPOLLIN)  # readable only at EOF: the peer is gone
-            self.direct[dst] = s
+            try:
+                n = s.send(hello) if hello else 0
+            except BlockingIOError:
+                n = 0
+            except OSError as e:
+                self._lose(c, f"send failed: {e.strerror or e}")
+                return c
+            if n < len(hello):
+                self._queue(c, [hello], n)
+            else:
+                self.direct[dst] = s
         return c
+
+    def set_hello(self, hello: Callable[[int], bytes]) -> None:
+        """``hello(dst)``: what this rank sends first on each connection it makes (framed),
+        to say who sends on it (the core's HELLO). A connection accepted here takes messages
+        of at most UNIDENTIFIED_MAX bytes, read a hello's length at a time, until its first
+        good message says who sends on it (a peer's HELLO does, alone in its read): bytes
+        from anyone without the key are never buffered toward a large message."""
+        self._hello = hello
+        self.hello_len = len(hello(0))
 
     def send(self, dst: int, frames: Sequence[Any]) -> None:
         """Queue a message for ``dst``; never waits for the peer."""
@@ -1086,10 +1111,44 @@ class TcpEndpoint:
                 self._drop_conn(next(iter(self.unknown.values())))
             s.setblocking(False)
             c = _Conn(s, inbound=True, rank=None)
+            c.decoder.max_message = UNIDENTIFIED_MAX  # type: ignore[union-attr]  # (see set_hello)
             self.conns[c.fd] = c
             self.unknown[c.fd] = c
             self.inbound += 1
             self._register(c, select.EPOLLIN)
+
+    def _first(self, c: _Conn, sink: Callable[[w.Message | None], int | None]) -> bool:
+        """One read of ``c``, a connection not identified yet (see set_hello): of what is
+        left of a hello, else of a small piece. Whether it is identified now (then it takes
+        messages of any size, and the caller reads on)."""
+        dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
+        want = self.hello_len - dec.pending()
+        try:
+            got = c.sock.recv_into(self._rbuf, want if want > 0 else 4096)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            self._lose(c, f"connection failed: {e.strerror or e}")
+            return False
+        if not got:
+            self._lose(c, "connection closed")
+            return False
+        try:
+            msgs = dec.messages(self._rbuf, got, self.key, self.me)
+        except WireError:
+            self._count("malformed_stream")
+            self._drop_conn(c)
+            return False
+        if not self._identify(c, msgs, sink):
+            return False
+        if dec.error is not None:
+            self._count("malformed_stream")
+            self._drop_conn(c)
+            return False
+        if c.rank is None:
+            return False
+        dec.max_message = w.MAX_MESSAGE
+        return True
 
     def _identify(self, c: _Conn, msgs: list[w.Message | None],
                   sink: Callable[[w.Message | None], int | None]) -> bool:
@@ -1144,6 +1203,8 @@ class TcpEndpoint:
             if c is None:
                 continue
             if c.inbound:
+                if c.rank is None and not self._first(c, sink):
+                    continue  # (not identified yet, or dropped)
                 # read it, here rather than in a method: a root wakes with one ready
                 # socket per rank, and a call per socket is paid with caches its peers
                 # have emptied

@@ -42,7 +42,8 @@ STATUS_REQ = 3  # "what are you doing?" (from a collective that has waited 1 s, 
 STATUS_REP = 4  # the answer: payload is a short text; header: see STATUS_IN_CALL
 ABORT = 5  # the sender aborted the group; payload is the reason
 BYE = 6  # the sender closed the group
-KINDS = frozenset({COLL, P2P, STATUS_REQ, STATUS_REP, ABORT, BYE})
+HELLO = 7  # the first message on a stream connection: who sends on it (no payload)
+KINDS = frozenset({COLL, P2P, STATUS_REQ, STATUS_REP, ABORT, BYE, HELLO})
 
 # A STATUS_REP's round says what its seq, op and root are: the collective the sender is in
 # (STATUS_IN_CALL), the last one it returned from (STATUS_RETURNED), or nothing (0)

@@ -474,6 +474,39 @@ def test_idle_connections_do_not_keep_the_peers_out():
     assert all(res[r][1].get("connection_limit", 0) >= 300 - 256 for r in (0, 1)), res
 
 
+def declared_huge_before_identified(g):
+    """Rank 1 opens a connection to rank 0 (keyed group) whose first message declares 1 GiB,
+    then streams zeros: nothing authenticates it until the whole message has come."""
+    out = None
+    if g.rank == 1:
+        host, port = g._core.ep.peers[0][len("tcp://"):].rsplit(":", 1)
+        sent = 0
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(w.STREAM_HEAD.pack(w.STREAM_MAGIC, 2) + struct.pack("<2Q", 48, 1 << 30))
+            try:
+                for _ in range(256):  # 32 MiB
+                    s.sendall(bytes(128 * 1024))
+                    sent += 128 * 1024
+            except OSError:  # dropped by rank 0
+                pass
+        out = sent
+    g.barrier()
+    if g.rank == 0:
+        out = g.stats()["dropped"], sum(c.decoder.pending() for c in g._core.ep.conns.values()
+                                        if c.inbound)
+    g.barrier()
+    return out
+
+
+def test_a_connection_not_identified_yet_takes_small_messages_only():
+    # (before: what it sent was buffered toward the 1 GiB message, up to 2 GiB per
+    # connection, 256 connections, before a MAC could be checked)
+    (dropped, pending), sent = run_group(declared_huge_before_identified, 2, timeout=120,
+                                         group_kwargs={"auth_key": b"k" * 16})
+    assert dropped.get("malformed_stream") == 1, dropped
+    assert pending == 0 and sent < 32 << 20, (pending, sent)
+
+
 def cycles(rank, size, port, n):
     import threading as th
 
