@@ -108,15 +108,18 @@ def describe(op: int, root: int) -> str:
     return parts[0] + (f"({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
-# The plans whose every message is a rank's own object (or one per destination) or a whole
-# result: a failure sent in place of one reaches every rank that would have used it, and
-# each raises it (Core._unsendable). In the others a message bundles parts (a tree's
-# gather or scatter, Bruck's blocks) or a partial result the sender goes on with
-# (recursive doubling): a failure in its place would break the plan.
+# The plans whose every message is a rank's own object (or one per destination), a whole
+# result, or a partial result that the receiver combines (a reduction's, whose combine
+# passes a failure on, _ops.Failed): a failure sent in place of one reaches every rank that
+# would have used it, and each raises it (Core._unsendable; a rank that sent one sends it
+# in place of everything else it sends in that call, Core._post). In the others a message
+# bundles parts (a tree's gather or scatter, Bruck's blocks): a failure in its place would
+# break the plan.
 _FAIL_IN_PLACE = frozenset({
     _plans.broadcast, _plans.broadcast_flat, _plans.gather_flat, _plans.scatter_flat,
     _plans.reduce, _plans.reduce_flat, _plans.all_reduce_flat, _plans.all_reduce_star,
-    _plans.all_gather_flat, _plans.all_gather_star, _plans.all_to_all,
+    _plans.all_reduce_doubling, _plans.all_gather_flat, _plans.all_gather_star,
+    _plans.all_to_all,
 })
 
 # What one message may carry, encoded (header and framing aside): a receiver drops a stream
@@ -837,6 +840,11 @@ class Core:
 
     def _post(self, sends: tuple[tuple[int, Any], ...], rnd: int, seq: int, opcode: int,
               root: int) -> None:
+        if self._send_failed is not None:
+            # this call sent a failure in place of an object already: its later sends carry
+            # it too (recursive doubling's next partial result may be encodable again, and
+            # a rank that got it would return a result the failure never reached)
+            sends = tuple((d, self._send_failed) for d, _ in sends)
         obj = sends[0][1]
         each = False  # whether the destinations get different objects
         if len(sends) == 1:  # a non-root's one send: the usual
