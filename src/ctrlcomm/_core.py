@@ -73,6 +73,14 @@ FIRST_PROBE = 1.0
 # A peer that closed the connection we send on is declared lost after this many seconds
 # unless its goodbye (or the end of the stream it sends on) explains it first.
 SUSPECT_GRACE = 1.0
+# A send that does not wait (a point-to-point send, a collective's step that only sends: a
+# broadcast's root, a gather's leaf) reads what has come in at most this often, and looks
+# whether a destination is lost: a peer's goodbye, abort or end of stream, which a wait would
+# have read, and a peer silent past liveness_timeout (ZeroMQ's sends never fail)
+LOOK_S = 0.1
+# abort() waits this long at most for connections still being made, so that its word goes
+# out on them (a rank that aborts and then makes no call would never send it)
+ABORT_PUSH_S = 0.1
 # A silent peer of this host whose process runs (see Heartbeat.running) is looked at again
 # this often while it is waited for (sooner after a first look, which cannot tell), and is
 # waited for while silent for up to RUNNING_LIMIT times liveness_timeout (a minute by
@@ -239,6 +247,7 @@ class Core:
         self._pid = os.getpid()  # (close() in a forked child leaves the parent's sockets be)
         self.liveness_timeout = liveness_timeout
         self._live_until = 0.0  # until then no peer's heartbeats can be overdue
+        self._look_at = 0.0  # when a send that does not wait reads its sockets next (_look)
         self._probed = False  # whether the current step asked the ranks it waits for
         self._last_probe = -math.inf  # when a collective last asked them early (FIRST_PROBE)
         self._probe_error: MismatchError | None = None  # the last raised from an answer
@@ -609,6 +618,8 @@ class Core:
                         result, self._send_failed = self._send_failed, None  # raised above
                     break
                 if sends:
+                    if not recvs:  # (a step that waits finds its lost peers as it waits)
+                        self._look(sends, name, seq)
                     self._post(sends, rnd, seq, opcode, root)
                     if ep.unflushed:  # else nothing is queued: no backlog to wait out
                         yield from self._backpressure([d for d, _ in sends], deadline, t,
@@ -1092,8 +1103,7 @@ class Core:
         dsts = dst if isinstance(dst, tuple) else (dst,)
         name = what  # (or the default: _send_name)
         try:
-            if self.gone or self.suspects:
-                self._unreachable(dsts, _send_name(name, dst, tag))
+            self._look(dsts, name, dst=dst, tag=tag)
             payload = _first_pass(obj) if self._fast else None
             ep, count = self.ep, self.p2p_out
             if type(payload) is bytes and len(payload) < COPY_THRESHOLD:
@@ -1136,6 +1146,28 @@ class Core:
         finally:
             self.waiting_for = []
             self.leave()
+
+    def _look(self, dsts: Sequence[Any], name: str, seq: int | None = None, dst: Any = None,
+              tag: int = 0) -> None:
+        """Before a send that does not wait for ``dsts`` (ranks, or a collective step's
+        sends, (rank, object) pairs, whose call is ``name`` #``seq``; or a point-to-point
+        send's, named by ``name``, ``dst`` and ``tag``: _send_name): what has come in read
+        (every LOOK_S), and PeerLostError raised where one of them is known lost, or silent
+        past liveness_timeout. (The usual case: a clock read and three compares.)"""
+        now = _monotonic()
+        if now >= self._look_at:
+            self._look_at = now + LOOK_S
+            self.pump()
+        if not (self.gone or self.suspects or now >= self._live_until):
+            return
+        ranks = [d for d, _ in dsts] if seq is not None else list(dsts)
+        what = _send_name(name, dst, tag) if seq is None else f"{name} #{seq}"
+        if self.gone or self.suspects:
+            self._unreachable(ranks, what)
+        else:
+            lost, _ = self._check_lost(ranks, now)
+            if lost:
+                self._unreachable(lost, what)
 
     def _unreachable(self, dsts: Sequence[int], name: str) -> None:
         """Raise PeerLostError if the connection to one of ``dsts`` is lost (the rank is gone,
@@ -1252,6 +1284,9 @@ class Core:
                 continue
             if what == "abort":
                 self._tell_peers(w.ABORT, reason)
+                push = getattr(self.ep, "push", None)
+                if push is not None:
+                    push(ABORT_PUSH_S)
             else:
                 # a group closed broken says why: a peer that waited for this rank learns
                 # the first cause (a third rank's abort, say, whose own word may come later)

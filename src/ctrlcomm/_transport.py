@@ -931,6 +931,36 @@ class TcpEndpoint:
                 self.direct[dst] = s
         return c
 
+    def push(self, budget_s: float) -> None:
+        """Send what is queued now, waiting up to ``budget_s`` for connections still being
+        made (an abort's word to peers this rank never sent to: with no call after it,
+        nothing would send it before the process exits). What cannot go out by then stays
+        queued."""
+        deadline = time.monotonic() + budget_s
+        while self.unflushed and not self.closed:
+            for c in list(self.unflushed):
+                if not c.connecting and c.sock.fileno() >= 0:
+                    self._flush(c)
+            waiting = [c for c in self.unflushed if c.connecting and c.sock.fileno() >= 0]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            p = select.poll()
+            for c in waiting:
+                p.register(c.fd, select.POLLOUT)
+            try:
+                ready = {fd for fd, _ in p.poll(left * 1000)}
+            except OSError:
+                return
+            for c in waiting:
+                if c.fd in ready:
+                    err = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if err:
+                        self._lose(c, f"cannot connect to {self.peers.get(c.rank or 0)}: "
+                                      f"{os.strerror(err)}")
+                    else:
+                        c.connecting = False
+
     def set_hello(self, hello: Callable[[int], bytes]) -> None:
         """``hello(dst)``: what this rank sends first on each connection it makes (framed),
         to say who sends on it (the core's HELLO). A connection accepted here takes messages

@@ -20,7 +20,7 @@ from ctrlcomm.testing import run_ranks
 
 def _group(rank, size, port, **kw):
     return ctrlcomm.Group.create("127.0.0.1", port, rank, size, host_store=False,
-                                 timeout=60, name=kw.pop("name", "live"), **kw)
+                                 timeout=kw.pop("timeout", 60), name=kw.pop("name", "live"), **kw)
 
 
 def killed_mid_collective(rank, size, port):
@@ -719,3 +719,72 @@ def test_a_send_to_a_lost_rank_raises_naming_it_and_the_others_still_work(store)
     (i, ranks, msg), (after, ranks2, msg2) = res[0]
     assert i < 40 and ranks == [1] and "send(dst=1" in msg and "rank 1" in msg, res[0]
     assert after == "after" and ranks2 == [1] and "rank 1" in msg2, res[0]
+
+
+def aborts_before_ever_sending(rank, size, port, transport, what):
+    """Rank 1 has never sent anything to rank 0 when it aborts, and then makes no call (its
+    process runs on). Rank 0 waits for it."""
+    g = _group(rank, size, port, name="untold", transport=transport, timeout=5)
+    if rank == 1:
+        g.abort("watchdog fired")
+        time.sleep(7)  # (at exit, what is queued goes out: not before rank 0's deadline)
+        return None
+    try:
+        g.barrier() if what == "barrier" else g.recv(1)
+    except ctrlcomm.CtrlcommError as e:
+        return type(e).__name__, str(e), e.ranks if isinstance(e, ctrlcomm.PeerLostError) \
+            else None
+    finally:
+        g.close()
+    return "returned"
+
+
+@pytest.mark.parametrize("what", ["barrier", "recv"])
+def test_a_rank_that_aborts_before_it_ever_sent_still_tells_its_peers(store, what):
+    # (before, over TCP: its word was queued on a connection still being made, and nothing
+    # sent it while the rank made no call: rank 0 waited out its deadline)
+    kind, text, ranks = run_ranks(aborts_before_ever_sending, 2, store.port, "tcp", what)[0]
+    assert kind == "PeerLostError" and ranks == [1] and "watchdog fired" in text, text
+
+
+def sends_to_a_lost_peer(rank, size, port, transport, fault, op):
+    """Rank 1 goes (killed, closed or aborted) without a word from rank 0; rank 0 then sends
+    to it without waiting for anything: point to point, or a collective's step that only
+    sends (a broadcast's root, a gather's leaf)."""
+    g = _group(rank, size, port, name="sendonly", transport=transport, liveness_timeout=1.0,
+               heartbeat_interval=0.2, timeout=20)
+    g.barrier()
+    if rank == 1:
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        getattr(g, fault)()
+        time.sleep(6)
+        return None
+    calls = {"send": lambda i: g.send(i, dst=1),
+             "broadcast": lambda i: g.broadcast(i, src=0),
+             "gather": lambda i: g.gather(i, dst=1)}
+    t = time.monotonic()
+    n = 0
+    try:
+        while time.monotonic() - t < 10:
+            calls[op](n)
+            n += 1
+            time.sleep(0.01)
+    except ctrlcomm.PeerLostError as e:
+        g.close()
+        return e.ranks, n
+    g.close()
+    return "no error", n
+
+
+@pytest.mark.parametrize(("transport", "fault", "op"), [
+    ("zmq", "kill", "send"), ("zmq", "close", "send"), ("zmq", "abort", "broadcast"),
+    ("tcp", "abort", "broadcast"), ("tcp", "close", "gather"), ("tcp", "kill", "gather"),
+])
+def test_a_send_that_does_not_wait_finds_its_peer_lost(store, transport, fault, op):
+    # (before: over ZeroMQ a send never failed, 1,400 of them in 15 s to a killed peer; a
+    # broadcast's root, a gather's leaf returned, call after call, with the peer's abort
+    # or goodbye unread in its socket)
+    ranks, n = run_ranks(sends_to_a_lost_peer, 2, store.port, transport, fault, op,
+                         may_die=(1,), timeout=60)[0]
+    assert ranks == [1], (ranks, n)
