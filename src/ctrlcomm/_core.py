@@ -248,6 +248,10 @@ class Core:
         self.liveness_timeout = liveness_timeout
         self._live_until = 0.0  # until then no peer's heartbeats can be overdue
         self._look_at = 0.0  # when a send that does not wait reads its sockets next (_look)
+        # recursive doubling in a world that is not a power of two, with a data-only codec: a
+        # result that cannot be encoded where every partial one could (a sum beyond 64
+        # bits) is sent by the folded ranks alone (Core._folded_result)
+        self._check_folded = codec == w.MSGPACK and size > 2 and size & (size - 1) != 0
         self._probed = False  # whether the current step asked the ranks it waits for
         self._last_probe = -math.inf  # when a collective last asked them early (FIRST_PROBE)
         self._probe_error: MismatchError | None = None  # the last raised from an answer
@@ -616,6 +620,8 @@ class Core:
                         raise self.mismatch from None
                     if self._send_failed is not None:  # its object could not be sent:
                         result, self._send_failed = self._send_failed, None  # raised above
+                    elif self._check_folded and call.plan is _plans.all_reduce_doubling:
+                        result = self._folded_result(result, opcode, seq)
                     break
                 if sends:
                     if not recvs:  # (a step that waits finds its lost peers as it waits)
@@ -949,6 +955,20 @@ class Core:
             self._send_failed = failed
         return w.dumps(failed, self.codec)
 
+    def _folded_result(self, result: Any, opcode: int, seq: int) -> Any:
+        """An all_reduce's result by recursive doubling, or the failure to raise where the
+        codec cannot encode it: ranks that fold their value into a partner's get the result
+        from it, and where it cannot send it they raise; every rank that holds the result
+        looks, so that they all do."""
+        if type(result) is _ops.Failed:
+            return result
+        try:
+            w.dumps(result, self.codec)
+        except CodecError as e:
+            what = w.OP_NAME.get(opcode & 0xF, "collective")
+            return _ops.Failed(f"{what} #{seq} on rank {self.rank}: {e}", "codec")
+        return result
+
     def _sized(self, payload: Any, bufs: tuple[Any, ...], opcode: int
                ) -> tuple[Any, tuple[Any, ...]]:
         """``payload`` and ``bufs``, or, where they are more than a message may carry (the
@@ -1155,19 +1175,17 @@ class Core:
         (every LOOK_S), and PeerLostError raised where one of them is known lost, or silent
         past liveness_timeout. (The usual case: a clock read and three compares.)"""
         now = _monotonic()
+        silence = False
         if now >= self._look_at:
             self._look_at = now + LOOK_S
             self.pump()
-        if not (self.gone or self.suspects or now >= self._live_until):
+            silence = now >= self._live_until  # (asked as often as what came in is read)
+        if not (self.gone or self.suspects or silence):
             return
         ranks = [d for d, _ in dsts] if seq is not None else list(dsts)
         what = _send_name(name, dst, tag) if seq is None else f"{name} #{seq}"
-        if self.gone or self.suspects:
-            self._unreachable(ranks, what)
-        else:
-            lost, _ = self._check_lost(ranks, now)
-            if lost:
-                self._unreachable(lost, what)
+        lost, _ = self._check_lost(ranks, now)
+        self._unreachable([d for d in ranks if d in lost or d in self.suspects], what)
 
     def _unreachable(self, dsts: Sequence[int], name: str) -> None:
         """Raise PeerLostError if the connection to one of ``dsts`` is lost (the rank is gone,

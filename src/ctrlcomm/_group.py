@@ -767,7 +767,7 @@ class Group:
         c = self._core
         dropped = dict(c.dropped)
         for part in (c.ep, c.hb):  # (the transport's and the heartbeats' drops)
-            for k, v in getattr(part, "dropped", {}).items():
+            for k, v in list(getattr(part, "dropped", {}).items()):  # (one step: see Heartbeat)
                 dropped[k] = dropped.get(k, 0) + v
         return {"sent": c.sent, "received": c.received, "dropped": dropped,
                 "seq": c.seq, "state": c.state, "transport": c.ep.kind}

@@ -185,7 +185,13 @@ class _Refused(Exception):
 
 
 def _b(x: str | bytes) -> bytes:
-    return x.encode() if isinstance(x, str) else bytes(x)
+    """A key or value as bytes: str (UTF-8), or bytes-like. Anything else is refused, as
+    TCPStore does (bytes(n) of an int n would be n zero bytes)."""
+    if isinstance(x, str):
+        return x.encode()
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return bytes(x)
+    raise TypeError(f"store: a key or value must be str or bytes, not {type(x).__name__}")
 
 
 def _secs(timeout: Any) -> float:

@@ -650,8 +650,8 @@ def _turn_due(ep: TcpEndpoint | ZmqEndpoint) -> bool:
     ep.turn = now
     return True
 READ_CHUNK = 256 * 1024
-# A connection whose read held many messages of less than 1 KiB on average is read FLOOD_READ
-# bytes at a time, until a full read holds a few larger ones again: a whole chunk of tiny
+# A connection whose read held many messages of less than 4 KiB on average is read FLOOD_READ
+# bytes at a time, until a full read holds larger ones again: a whole chunk of tiny
 # messages (3,400 of them) takes 10-40 ms to decode and take, which an awaited call's read
 # holds the event loop for; a small read's well within FAIR_S, after which the drain stops.
 # (A flood of small messages pays one more system call per 200 of them.)
@@ -825,7 +825,7 @@ class TcpEndpoint:
         self.on_lost = on_lost
         self.max_inbound = max_inbound  # inbound connections not identified yet, at most
         self.inbound = 0
-        self.unknown: dict[int, _Conn] = {}  # those, oldest first (by fd)
+        self.unknown: dict[int, _Conn] = {}  # those, by fd, oldest first
         self._hello: Callable[[int], bytes] | None = None  # see set_hello
         self.hello_len = 0
         self.dropped: dict[str, int] = {}
@@ -1273,11 +1273,13 @@ class TcpEndpoint:
                         self._drop_conn(c)
                         break
                     full = got == rsize
-                    # the next read's size: small after a read of many small messages, the
-                    # usual after a full one of a few (large ones)
-                    if len(msgs) > 64 and len(msgs) > got >> 10:
+                    # the next read's size: small after a read of many messages of less
+                    # than 4 KiB on average, the usual after a full one of larger ones (one
+                    # threshold both ways: no swing between the two sizes)
+                    n = len(msgs)
+                    if n > 64 and n > got >> 12:
                         rsize = c.rsize = FLOOD_READ
-                    elif full:
+                    elif full and n <= got >> 12:
                         rsize = c.rsize = READ_CHUNK
                     if not full or c.paused:
                         break
@@ -1816,6 +1818,14 @@ class Heartbeat:
         p = self.procs.get(rank)
         if p is None:
             return False
+        now = time.monotonic()
+        before = self._cpu_seen.get(rank)
+        if before is not None and now - before[0] < RUNNING_WINDOW_S \
+                and self._running.get(rank) is not None:
+            # CPU times move in ticks (10 ms): looks closer than this cannot tell a running
+            # process from a hung one (a busy loop of calls looks again and again): what the
+            # last window found, without reading /proc again
+            return self._running[rank]
         pid, start = p
         try:
             fields = _proc_stat(f"/proc/{pid}/stat")
@@ -1826,16 +1836,12 @@ class Heartbeat:
             cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK  # user + system, all threads
         except (OSError, ValueError, IndexError):
             return False
-        now = time.monotonic()
-        before = self._cpu_seen.get(rank)
         if before is None or now - before[0] > RUNNING_STALE_S:
             self._cpu_seen[rank] = (now, cpu)
             self._running.pop(rank, None)
             return None
-        if now - before[0] < RUNNING_WINDOW_S:
-            # CPU times move in ticks (10 ms): looks closer than this cannot tell a running
-            # process from a hung one (a busy loop of calls looks again on every wait)
-            return self._running.get(rank)
+        if now - before[0] < RUNNING_WINDOW_S:  # (a window begun, none ended yet)
+            return None
         self._cpu_seen[rank] = (now, cpu)
         runs = self._running[rank] = cpu - before[1] >= RUNNING_CPU_SHARE * (now - before[0])
         return runs

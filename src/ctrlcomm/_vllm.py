@@ -177,9 +177,14 @@ class StatelessProcessGroup:
         once its object is sent, and the others take ``src``'s broadcasts in the order it
         made them, whatever they do with other sources in between (rank 0 may broadcast and
         then receive rank 1's broadcast while rank 1 does the reverse)."""
+        return self._bcast(obj, src, "broadcast_obj")
+
+    def _bcast(self, obj: Any, src: int, op: str) -> Any:
+        """``src``'s next object in its stream of broadcasts (broadcast_obj's and the tensor
+        broadcast's, one stream per source as the original's store keys are)."""
         c = self._group._core
-        src = _rank_arg(c, src, "src", "broadcast_obj")
-        what = f"broadcast_obj(src={src})"
+        src = _rank_arg(c, src, "src", op)
+        what = f"{op}(src={src})"
         if self.rank != src:
             return run_sync(c, c.recv(src, _BCAST_TAG, None, what))
         others = _plans._others(self.world_size, src)
@@ -208,9 +213,10 @@ class StatelessProcessGroup:
     def broadcast(self, tensor: Any, src: int) -> Any:
         """``src``'s tensor: the source gets ``tensor`` back; every other rank a new tensor
         (of the source's shape and dtype, on the device of the ``tensor`` it passed, which
-        is left as it is)."""
+        is left as it is). As vLLM's: in the stream of ``src``'s broadcasts, with
+        broadcast_obj's (the source returns once it has sent)."""
         payload = _compact(tensor) if self.rank == src else None
-        got = self._group.broadcast(payload, src=src)
+        got = self._bcast(payload, src, "broadcast")
         if self.rank == src:
             return tensor
         return _on_device_of(got, tensor)

@@ -751,8 +751,8 @@ def sends_to_a_lost_peer(rank, size, port, transport, fault, op):
     """Rank 1 goes (killed, closed or aborted) without a word from rank 0; rank 0 then sends
     to it without waiting for anything: point to point, or a collective's step that only
     sends (a broadcast's root, a gather's leaf)."""
-    g = _group(rank, size, port, name="sendonly", transport=transport, liveness_timeout=1.0,
-               heartbeat_interval=0.2, timeout=20)
+    g = _group(rank, size, port, name="sendonly", transport=transport, liveness_timeout=3.0,
+               heartbeat_interval=0.25, timeout=20)
     g.barrier()
     if rank == 1:
         if fault == "kill":

@@ -465,6 +465,37 @@ def spg_tensor_views(rank, size, port):
     return out
 
 
+def spg_tensor_broadcast_streams(rank, size, port):
+    """As vLLM's: a tensor broadcast is in its source's stream of broadcasts, with
+    broadcast_obj's; the source returns once it has sent. Rank 0 broadcasts, then takes rank
+    1's; rank 1 does the reverse."""
+    import torch
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    mine = torch.tensor([float(rank + 1)])
+    if rank == 0:
+        a = pg.broadcast(mine, src=0)
+        o = pg.broadcast_obj("from 0", src=0)
+        b = pg.broadcast(torch.empty(0), src=1)
+    else:
+        b = pg.broadcast(mine, src=1)
+        a = pg.broadcast(torch.empty(0), src=0)
+        o = pg.broadcast_obj(None, src=0)
+    pg.barrier()
+    pg.close()
+    return a.tolist(), b.tolist(), o
+
+
+@pytest.mark.torch
+def test_tensor_broadcast_is_in_its_sources_stream_as_in_vllm():
+    # (before: a collective: the two ranks' orders raised MismatchError and broke the group)
+    pytest.importorskip("torch")
+    for r in run_ranks(spg_tensor_broadcast_streams, 2, free_port()):
+        assert r == ([1.0], [2.0], "from 0"), r
+
+
 @pytest.mark.torch
 def test_tensor_methods_send_only_a_views_elements():
     pytest.importorskip("torch")

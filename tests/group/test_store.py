@@ -156,6 +156,19 @@ def test_add_is_64_bit_and_wraps_as_tcpstores_and_the_store_serves_on(store):
     c.close()
 
 
+def test_a_value_that_is_not_str_or_bytes_is_refused_as_by_tcpstore(store):
+    # (before: bytes(3), three zero bytes, were stored for the int 3)
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+    for bad in (3, 2.5, None, ["a"]):
+        with pytest.raises(TypeError, match=type(bad).__name__):
+            c.set("k", bad)
+    with pytest.raises(TypeError):
+        c.compare_set("k", "", 3)
+    c.set("k", bytearray(b"ok"))
+    assert c.get("k") == b"ok" and c.check(["k"])
+    c.close()
+
+
 def test_store_command_serves_groups():
     port = free_port()
     with subprocess.Popen([sys.executable, "-m", "ctrlcomm", "store", "--host", "127.0.0.1",

@@ -88,10 +88,11 @@ def test_a_told_mismatch_read_with_the_calls_last_message_fails_the_call():
 
 
 def test_a_late_mismatch_read_after_the_group_broke_still_fails_the_call():
-    """Rank 1 broadcast as root in #0 and returned; in #1 one read brings a mismatch rank 0
-    reported, rank 0's message of #0 naming another root, and rank 2's of #1."""
+    """Rank 1 broadcast as root in #0 and returned (its look at what had come in, before it
+    sent, found nothing); in #1 one read brings a mismatch rank 0 reported, rank 0's message
+    of #0 naming another root, and rank 2's of #1."""
     told = w.Message(w.ABORT, 0, GID, 0, 0, payload=(MISMATCH_PREFIX + "elsewhere").encode())
-    ep = ScriptedEndpoint([[told, bcast_from(0, 0, "x"), bcast_from(2, 1, "y")]])
+    ep = ScriptedEndpoint([[], [told, bcast_from(0, 0, "x"), bcast_from(2, 1, "y")]])
     g = group(1, 3, ep)
     assert g.broadcast("mine", src=1) == "mine"  # #0: a root sends and returns
     with pytest.raises(ctrlcomm.MismatchError):
