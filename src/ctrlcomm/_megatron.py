@@ -105,7 +105,9 @@ class AsyncZMQCommunicator:
 
     async def broadcast(self, obj: Any = None, src: int = 0, *,
                         timeout: float | None = None) -> Any:
-        """``src``'s object (``src`` is a rank of the process group) on every rank."""
+        """``src``'s object on every rank. ``src`` is a rank within the process group, as
+        ``torch.distributed.get_rank(process_group)`` gives it (0: the leader, its first
+        global rank), not a global rank as torch.distributed.broadcast's ``src``."""
         return await self.group.aio.broadcast(obj, src=src, timeout=timeout)
 
     def sync_broadcast(self, obj: Any = None, src: int = 0, *,
