@@ -1818,14 +1818,6 @@ class Heartbeat:
         p = self.procs.get(rank)
         if p is None:
             return False
-        now = time.monotonic()
-        before = self._cpu_seen.get(rank)
-        if before is not None and now - before[0] < RUNNING_WINDOW_S \
-                and self._running.get(rank) is not None:
-            # CPU times move in ticks (10 ms): looks closer than this cannot tell a running
-            # process from a hung one (a busy loop of calls looks again and again): what the
-            # last window found, without reading /proc again
-            return self._running[rank]
         pid, start = p
         try:
             fields = _proc_stat(f"/proc/{pid}/stat")
@@ -1836,12 +1828,17 @@ class Heartbeat:
             cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK  # user + system, all threads
         except (OSError, ValueError, IndexError):
             return False
+        now = time.monotonic()
+        before = self._cpu_seen.get(rank)
         if before is None or now - before[0] > RUNNING_STALE_S:
             self._cpu_seen[rank] = (now, cpu)
             self._running.pop(rank, None)
             return None
-        if now - before[0] < RUNNING_WINDOW_S:  # (a window begun, none ended yet)
-            return None
+        if now - before[0] < RUNNING_WINDOW_S:
+            # CPU times move in ticks (10 ms): looks closer than this cannot tell a running
+            # process from a hung one (a busy loop of calls looks again and again): what the
+            # last window found (stopped or gone, seen above, at once)
+            return self._running.get(rank)
         self._cpu_seen[rank] = (now, cpu)
         runs = self._running[rank] = cpu - before[1] >= RUNNING_CPU_SHARE * (now - before[0])
         return runs
