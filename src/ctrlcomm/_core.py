@@ -78,8 +78,9 @@ SUSPECT_GRACE = 1.0
 # whether a destination is lost: a peer's goodbye, abort or end of stream, which a wait would
 # have read, and a peer silent past liveness_timeout (ZeroMQ's sends never fail)
 LOOK_S = 0.1
-# abort() waits this long at most for connections still being made, so that its word goes
-# out on them (a rank that aborts and then makes no call would never send it)
+# An abort (abort(), a cancelled or interrupted call, a lost peer or mismatch told) waits this
+# long at most for connections still being made, so that its word goes out on them (a rank
+# that makes no call after it would never send it)
 ABORT_PUSH_S = 0.1
 # A silent peer of this host whose process runs (see Heartbeat.running) is looked at again
 # this often while it is waited for (sooner after a first look, which cannot tell), and is
@@ -1302,9 +1303,6 @@ class Core:
                 continue
             if what == "abort":
                 self._tell_peers(w.ABORT, reason)
-                push = getattr(self.ep, "push", None)
-                if push is not None:
-                    push(ABORT_PUSH_S)
             else:
                 # a group closed broken says why: a peer that waited for this rank learns
                 # the first cause (a third rank's abort, say, whose own word may come later)
@@ -1319,6 +1317,12 @@ class Core:
         for p in range(self.size):
             if p != self.rank and p not in self.gone:
                 self._send_raw(p, kind, payload, seq, rnd)
+        if kind == w.ABORT:
+            # the word goes out now, to peers this rank has not sent to yet as well (queued on a
+            # connection still being made, it would wait for this rank's next call, or exit)
+            push = getattr(self.ep, "push", None)
+            if push is not None:
+                push(ABORT_PUSH_S)
 
     def _notify_lost(self, e: PeerLostError) -> None:
         self._tell_peers(w.ABORT, f"{LOST_PREFIX}{','.join(map(str, e.ranks))}|{e}")

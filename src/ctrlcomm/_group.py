@@ -41,6 +41,8 @@ from ._transport import (
     Heartbeat,
     StoreServer,
     TcpEndpoint,
+    _parse_tcp,
+    _tcp,
     check_bind_host,
     curve_available,
     local_address_for,
@@ -648,7 +650,12 @@ class Group:
             # another world size, codec or transport would wait, or fail, without saying why)
             # (and the wire format's version: a peer of another reads none of its messages)
             alike = f"ws:{world_size} codec:{codec} tr:{transport} wire:{w.VERSION}"
-            me = " ".join(filter(None, (ep.address, str(hb.port), local,
+            address = ep.address
+            if bind_host in ("0.0.0.0", "::", ""):
+                # bound to every interface: peers are told the one that reaches the store
+                # (the address bound, 0.0.0.0, would send a peer elsewhere to its own host)
+                address = _tcp(local_address_for(host, port), _parse_tcp(address)[1][1])
+            me = " ".join(filter(None, (address, str(hb.port), local,
                                         "curve:" + curve.decode() if curve else "", proc, alike)))
             nonce, table = _rendezvous(store, me, rank, world_size, name, deadline)
             fields = {r: line.split(" ") for r, line in table.items()}

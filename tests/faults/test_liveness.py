@@ -788,3 +788,52 @@ def test_a_send_that_does_not_wait_finds_its_peer_lost(store, transport, fault, 
     ranks, n = run_ranks(sends_to_a_lost_peer, 2, store.port, transport, fault, op,
                          may_die=(1,), timeout=60)[0]
     assert ranks == [1], (ranks, n)
+
+
+def cancelled_first_call(rank, size, port):
+    """Rank 0, the star's root, has its first call (an awaited all_reduce) cancelled before
+    it ever sent to the others, who come late; then it makes no call."""
+    g = _group(rank, size, port, name="cancelled", timeout=5)
+    if rank == 0:
+        async def first():
+            try:
+                await asyncio.wait_for(g.aio.all_reduce(1), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        asyncio.run(first())
+        time.sleep(7)  # (at exit, what is queued goes out: not before the others' deadline)
+        return None
+    time.sleep(1.0)
+    try:
+        g.all_reduce(1)
+    except ctrlcomm.CtrlcommError as e:
+        return type(e).__name__, e.ranks if isinstance(e, ctrlcomm.PeerLostError) else None
+    finally:
+        g.close()
+    return "returned"
+
+
+def test_a_call_cancelled_before_it_sent_still_tells_the_others(store, monkeypatch):
+    # (before: the word was queued on connections still being made, over TCP, and sent at
+    # the rank's next call or exit: the others waited out their deadline. Across hosts every
+    # connect is so; here, loopback TCP without the local sockets)
+    monkeypatch.setenv("CTRLCOMM_LOCAL_SOCKETS", "0")
+    res = run_ranks(cancelled_first_call, 3, store.port, timeout=60)
+    assert res[1:] == [("PeerLostError", [0])] * 2, res
+
+
+def bound_everywhere(rank, size, port):
+    g = _group(rank, size, port, name="anyif", bind_host="0.0.0.0")  # (warns: no key)
+    out = g.all_gather(rank), g._core.ep.peers
+    g.close()
+    return out
+
+
+def test_a_rank_bound_to_every_interface_tells_its_peers_a_reachable_address(store,
+                                                                          monkeypatch):
+    # (before: it published tcp://0.0.0.0:PORT, which sends a peer on another host to its
+    # own; the interface that reaches the store is published instead)
+    monkeypatch.setenv("CTRLCOMM_LOCAL_SOCKETS", "0")
+    for got, peers in run_ranks(bound_everywhere, 2, store.port):
+        assert got == [0, 1]
+        assert all(a.startswith("tcp://127.0.0.1:") for a in peers.values()), peers
