@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -721,13 +722,34 @@ def test_a_send_to_a_lost_rank_raises_naming_it_and_the_others_still_work(store)
     assert after == "after" and ranks2 == [1] and "rank 1" in msg2, res[0]
 
 
+def _mark(port, what):
+    """A file that one rank makes when it has seen what it waits for, so that the rank
+    that stays alive for it (its exit would send what it queued) stops waiting."""
+    return os.path.join(tempfile.gettempdir(), f"ctrlcomm-test-{port}-{what}")
+
+
+def _clear_marks(port, *whats):
+    for what in whats:
+        try:
+            os.unlink(_mark(port, what))
+        except FileNotFoundError:
+            pass
+
+
+def _alive_until_marked(port, what, longest):
+    path, end = _mark(port, what), time.monotonic() + longest
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 def aborts_before_ever_sending(rank, size, port, transport, what):
     """Rank 1 has never sent anything to rank 0 when it aborts, and then makes no call (its
     process runs on). Rank 0 waits for it."""
     g = _group(rank, size, port, name="untold", transport=transport, timeout=5)
     if rank == 1:
         g.abort("watchdog fired")
-        time.sleep(7)  # (at exit, what is queued goes out: not before rank 0's deadline)
+        # (alive: at exit, what is queued goes out; until after rank 0's deadline at most)
+        _alive_until_marked(port, "untold", 7)
         return None
     try:
         g.barrier() if what == "barrier" else g.recv(1)
@@ -736,6 +758,7 @@ def aborts_before_ever_sending(rank, size, port, transport, what):
             else None
     finally:
         g.close()
+        open(_mark(port, "untold"), "w").close()
     return "returned"
 
 
@@ -743,7 +766,12 @@ def aborts_before_ever_sending(rank, size, port, transport, what):
 def test_a_rank_that_aborts_before_it_ever_sent_still_tells_its_peers(store, what):
     # (before, over TCP: its word was queued on a connection still being made, and nothing
     # sent it while the rank made no call: rank 0 waited out its deadline)
-    kind, text, ranks = run_ranks(aborts_before_ever_sending, 2, store.port, "tcp", what)[0]
+    _clear_marks(store.port, "untold")
+    try:
+        kind, text, ranks = run_ranks(aborts_before_ever_sending, 2, store.port, "tcp",
+                                      what)[0]
+    finally:
+        _clear_marks(store.port, "untold")
     assert kind == "PeerLostError" and ranks == [1] and "watchdog fired" in text, text
 
 
@@ -758,7 +786,7 @@ def sends_to_a_lost_peer(rank, size, port, transport, fault, op):
         if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         getattr(g, fault)()
-        time.sleep(6)
+        _alive_until_marked(port, "sendonly", 12)
         return None
     calls = {"send": lambda i: g.send(i, dst=1),
              "broadcast": lambda i: g.broadcast(i, src=0),
@@ -771,9 +799,10 @@ def sends_to_a_lost_peer(rank, size, port, transport, fault, op):
             n += 1
             time.sleep(0.01)
     except ctrlcomm.PeerLostError as e:
-        g.close()
         return e.ranks, n
-    g.close()
+    finally:
+        g.close()
+        open(_mark(port, "sendonly"), "w").close()
     return "no error", n
 
 
@@ -785,8 +814,12 @@ def test_a_send_that_does_not_wait_finds_its_peer_lost(store, transport, fault, 
     # (before: over ZeroMQ a send never failed, 1,400 of them in 15 s to a killed peer; a
     # broadcast's root, a gather's leaf returned, call after call, with the peer's abort
     # or goodbye unread in its socket)
-    ranks, n = run_ranks(sends_to_a_lost_peer, 2, store.port, transport, fault, op,
-                         may_die=(1,), timeout=60)[0]
+    _clear_marks(store.port, "sendonly")
+    try:
+        ranks, n = run_ranks(sends_to_a_lost_peer, 2, store.port, transport, fault, op,
+                             may_die=(1,), timeout=60)[0]
+    finally:
+        _clear_marks(store.port, "sendonly")
     assert ranks == [1], (ranks, n)
 
 
@@ -801,7 +834,9 @@ def cancelled_first_call(rank, size, port):
             except asyncio.TimeoutError:
                 pass
         asyncio.run(first())
-        time.sleep(7)  # (at exit, what is queued goes out: not before the others' deadline)
+        # (alive: at exit, what is queued goes out; until after the others' deadline at most)
+        _alive_until_marked(port, "cancelled-1", 7)
+        _alive_until_marked(port, "cancelled-2", 7)
         return None
     time.sleep(1.0)
     try:
@@ -810,6 +845,7 @@ def cancelled_first_call(rank, size, port):
         return type(e).__name__, e.ranks if isinstance(e, ctrlcomm.PeerLostError) else None
     finally:
         g.close()
+        open(_mark(port, f"cancelled-{rank}"), "w").close()
     return "returned"
 
 
@@ -818,7 +854,11 @@ def test_a_call_cancelled_before_it_sent_still_tells_the_others(store, monkeypat
     # the rank's next call or exit: the others waited out their deadline. Across hosts every
     # connect is so; here, loopback TCP without the local sockets)
     monkeypatch.setenv("CTRLCOMM_LOCAL_SOCKETS", "0")
-    res = run_ranks(cancelled_first_call, 3, store.port, timeout=60)
+    _clear_marks(store.port, "cancelled-1", "cancelled-2")
+    try:
+        res = run_ranks(cancelled_first_call, 3, store.port, timeout=60)
+    finally:
+        _clear_marks(store.port, "cancelled-1", "cancelled-2")
     assert res[1:] == [("PeerLostError", [0])] * 2, res
 
 
