@@ -1366,7 +1366,7 @@ def run_sync(core: Core, gen: Wait) -> Any:
         core._blocking = False
 
 
-async def run_async(core: Core, gen: Wait) -> Any:
+async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
     """Asyncio driver: as :func:`run_sync`, but waits through the event loop.
 
     A call whose messages were read already completes without suspending, as
@@ -1379,12 +1379,22 @@ async def run_async(core: Core, gen: Wait) -> Any:
     through the loop, costs nothing more. While such a turn is pending, a call that starts
     (another task's, scheduled in the same pass of the loop) takes one too, behind it: the
     calls keep the order the tasks started them in (two sends gathered stay in order, and
-    the second does not find the group taken by a third)."""
+    the second does not find the group taken by a third).
+
+    ``collective``: the name of the collective ``gen`` runs. One cancelled in that turn,
+    before it began, breaks the group as one cancelled while it runs does (the others are
+    told): its caller cannot tell the two apart, and a rank that went on would pair its
+    next collective with the others' this one."""
     ep = core.ep
     if ep.yielding or (_monotonic() - ep.ended < FAIR_S and _turn_due(ep)):
         ep.yielding += 1
         try:
             await asyncio.sleep(0)  # (gen not started: nothing to close if cancelled here)
+        except BaseException:
+            if collective and core.state == "open":
+                core.abort(f"{collective} #{core.seq} on group {core.name!r} was cancelled "
+                           f"on rank {core.rank} (before it began)")
+            raise
         finally:
             ep.yielding -= 1
     try:

@@ -367,7 +367,8 @@ def _run_sync(core: Core, call: Call, timeout: float | None) -> Any:
 
 async def _run_async(core: Core, call: Call, timeout: float | None) -> Any:
     r = await run_async(core, core.collective(call, None if timeout is None
-                                              else _timeout_arg(timeout, call.name)))
+                                              else _timeout_arg(timeout, call.name)),
+                        call.name)
     if call.reduces and (type(r) in _MAY_FAIL or type(call.args[0]) in _MAY_FAIL):
         return _reduced(call, core, r)
     return r

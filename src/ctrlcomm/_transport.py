@@ -1565,7 +1565,10 @@ class TcpEndpoint:
             self.bell.close()
             return
         if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)  # a call waiting in another task looks again
+            try:
+                self._waiter.set_result(None)  # a call waiting in another task looks again
+            except RuntimeError:  # its loop is closed (the task will never run again)
+                pass
         handed = self._unwatch(closing=True)  # (the loop's thread closes the epoll then)
         for c in self.out.values():
             if c.pending and not c.connecting and c.sock.fileno() >= 0:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import ctrlcomm
 from ctrlcomm.testing import run_group
 
 
@@ -247,6 +248,74 @@ def test_an_awaited_recv_loop_over_a_flood_lets_the_event_loop_run(transport):
     assert timed_out and first < FLOOD, f"wait_for(0.2) fired only after {first} messages"
     assert ticks > 0, "the ticker never ran while the messages were received"
     assert in_order, "messages lost, repeated or reordered around the cancelled recv"
+
+
+def cancelled_in_its_turn(g):
+    """Rank 1's awaited all_reduce is cancelled at its first suspension: the loop's turn it
+    is given before it begins (a call right after one that ended without waiting, the loop
+    held longer than FAIR_S). As any cancelled collective, it breaks the group, and rank 0
+    is told: neither rank's next all_reduce pairs with the other's."""
+    async def main():
+        out = []
+        if g.rank == 1:
+            time.sleep(0.02)  # noqa: ASYNC251  (on purpose: no loop turn for > FAIR_S)
+            await g.aio.send("hi", 0)  # a call that ends without waiting
+            t = asyncio.create_task(g.aio.all_reduce(1))
+            await asyncio.sleep(0)  # t runs up to its first suspension: the turn
+            t.cancel()
+            try:
+                out.append(await t)
+            except asyncio.CancelledError:
+                out.append("cancelled")
+            values = (2,)
+        else:
+            out.append(await g.aio.recv(1))
+            values = (100,)
+        for v in values:
+            try:
+                out.append(await asyncio.wait_for(g.aio.all_reduce(v), 10))
+            except ctrlcomm.CtrlcommError as e:
+                out.append(type(e).__name__)
+        return out
+
+    return asyncio.run(main())
+
+
+def test_an_awaited_collective_cancelled_before_it_began_breaks_the_group():
+    # (before: it was as if never made: rank 1's next all_reduce(2) paired with rank 0's
+    # all_reduce(100), and both returned 102)
+    r0, r1 = run_group(cancelled_in_its_turn, 2, timeout=60)
+    assert r0 == ["hi", "PeerLostError"], r0
+    assert r1 == ["cancelled", "GroupBrokenError"], r1
+
+
+def closed_after_its_loop(g):
+    """Rank 1 leaves an awaited recv pending in an event loop that it closes (an engine that
+    stops its loop at shutdown), then closes the group."""
+    if g.rank == 0:
+        try:
+            g.recv(1, timeout=20)
+        except ctrlcomm.PeerLostError as e:
+            return str(e)
+        return "no error"
+    loop = asyncio.new_event_loop()
+
+    async def main():
+        asyncio.ensure_future(g.aio.recv(0))
+        await asyncio.sleep(0.2)
+
+    loop.run_until_complete(main())
+    loop.close()
+    g.close()
+    return g._core.ep.closed, g._core.ep.lsock.fileno()
+
+
+def test_a_group_closes_after_the_event_loop_of_its_waiting_call_closed():
+    # (before, over TCP: close() raised RuntimeError('Event loop is closed'), left its
+    # sockets open, and rank 0 learnt nothing until its heartbeats stopped)
+    told, (closed, lfd) = run_group(closed_after_its_loop, 2, timeout=60)
+    assert "rank 1 closed the group" in told, told
+    assert closed and lfd == -1
 
 
 def reads_of_a_flood(g):
