@@ -947,8 +947,7 @@ class Core:
         this rank's next call). Only in a plan whose messages are a rank's object or a
         whole result (see _FAIL_IN_PLACE); in the others it is raised, and the others are
         told (the group breaks: it cannot stay in step)."""
-        what = w.OP_NAME.get(opcode & 0xF, "collective")
-        text = f"{what} #{self.seq - 1} on rank {self.rank}: {e}"
+        text = self._codec_text(e, opcode, self.seq - 1)
         if not self._in_place:
             raise CodecError(text)
         failed = _ops.Failed(text, "codec")
@@ -966,9 +965,12 @@ class Core:
         try:
             w.dumps(result, self.codec)
         except CodecError as e:
-            what = w.OP_NAME.get(opcode & 0xF, "collective")
-            return _ops.Failed(f"{what} #{seq} on rank {self.rank}: {e}", "codec")
+            return _ops.Failed(self._codec_text(e, opcode, seq), "codec")
         return result
+
+    def _codec_text(self, e: CodecError, opcode: int, seq: int) -> str:
+        """What every rank of collective #``seq`` raises where this one cannot encode."""
+        return f"{w.OP_NAME.get(opcode & 0xF, 'collective')} #{seq} on rank {self.rank}: {e}"
 
     def _sized(self, payload: Any, bufs: tuple[Any, ...], opcode: int
                ) -> tuple[Any, tuple[Any, ...]]:
@@ -1185,8 +1187,8 @@ class Core:
             return
         ranks = [d for d, _ in dsts] if seq is not None else list(dsts)
         what = _send_name(name, dst, tag) if seq is None else f"{name} #{seq}"
-        lost, _ = self._check_lost(ranks, now)
-        self._unreachable([d for d in ranks if d in lost or d in self.suspects], what)
+        self._check_lost(ranks, now)  # (moves to gone those it finds lost)
+        self._unreachable(ranks, what)
 
     def _unreachable(self, dsts: Sequence[int], name: str) -> None:
         """Raise PeerLostError if the connection to one of ``dsts`` is lost (the rank is gone,

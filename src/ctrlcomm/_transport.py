@@ -954,12 +954,17 @@ class TcpEndpoint:
                 return
             for c in waiting:
                 if c.fd in ready:
-                    err = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                    if err:
-                        self._lose(c, f"cannot connect to {self.peers.get(c.rank or 0)}: "
-                                      f"{os.strerror(err)}")
-                    else:
-                        c.connecting = False
+                    self._connected(c)
+
+    def _connected(self, c: _Conn) -> bool:
+        """``c``, a connection being made, became writable (or failed): whether it is made;
+        else it is lost."""
+        err = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            self._lose(c, f"cannot connect to {self.peers.get(c.rank or 0)}: {os.strerror(err)}")
+            return False
+        c.connecting = False
+        return True
 
     def set_hello(self, hello: Callable[[int], bytes]) -> None:
         """``hello(dst)``: what this rank sends first on each connection it makes (framed),
@@ -1291,13 +1296,9 @@ class TcpEndpoint:
                     elif time.monotonic() - t0 >= FAIR_S:
                         break
                 continue
-            if c.connecting and ev & (select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP):
-                err = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if err:
-                    self._lose(c, f"cannot connect to {self.peers.get(c.rank or 0)}: "
-                                  f"{os.strerror(err)}")
-                    continue
-                c.connecting = False
+            if c.connecting and ev & (select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP) \
+                    and not self._connected(c):
+                continue
             if ev & select.EPOLLOUT:
                 self._flush(c)
             elif not c.pending:
