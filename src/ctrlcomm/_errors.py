@@ -158,8 +158,12 @@ class WireError(Exception):
 
 
 class FormationTimeoutError(FormationError, TimeoutError):
-    """Not every rank joined the group before the deadline."""
+    """Not every rank joined the group before the deadline: ``missing``, the ranks that did
+    not join (as far as the store could tell), and ``gave_up``, those that joined and gave up
+    before this rank's deadline (at their own, or on an error)."""
 
-    def __init__(self, message: str, *, missing: Sequence[int] = ()) -> None:
+    def __init__(self, message: str, *, missing: Sequence[int] = (),
+                 gave_up: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.missing = list(missing)
+        self.gave_up = list(gave_up)

@@ -980,12 +980,28 @@ def _host_of(endpoint: str) -> str:
     return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
 
 
-def _missing_ranks(store: StoreClient, keys: list[str], budget: float) -> list[int]:
-    """Ranks whose key is absent; [] when the store cannot tell within ``budget`` s."""
+def _missing_ranks(store: StoreClient, ranks: Sequence[int], budget: float
+                   ) -> tuple[list[int], list[int]]:
+    """Of ``ranks``, those whose key is absent: (never joined, joined and gave up: their
+    mark, :data:`GAVE_UP`); ([], []) when the store cannot tell within ``budget`` s."""
     try:
-        return [r for r, h in enumerate(store.exists(keys, timeout=budget)) if not h]
+        have = store.exists([f"{FORMATION}rank/{r}" for r in ranks]
+                            + [f"{GAVE_UP}{r}" for r in ranks], timeout=budget)
     except StoreError:
-        return []
+        return [], []
+    n = len(ranks)
+    absent = [i for i in range(n) if not have[i]]
+    return [ranks[i] for i in absent if not have[n + i]], \
+        [ranks[i] for i in absent if have[n + i]]
+
+
+def _not_joined(missing: list[int], gave_up: list[int]) -> str:
+    """Which ranks are not in, in words (of :func:`_missing_ranks`)."""
+    parts = [f"ranks {missing} did not join"] if missing else []
+    if gave_up:
+        parts.append(f"ranks {gave_up} joined and gave up before (at their own deadline, "
+                     "or on an error)")
+    return "; ".join(parts)
 
 
 ALIKE = ("ws:", "codec:", "tr:", "wire:")  # the fields of an address every rank must have alike
@@ -994,6 +1010,10 @@ ASK_S = 0.5  # how long a formation that timed out asks the store why
 # Where, in a group's namespace of the store, formation keeps its keys (deleted once the group
 # is formed): apart from the keys the ranks set through the group's store client (Group.store)
 FORMATION = "ctrlcomm:formation/"
+# The mark a rank leaves where it withdraws its key (_withdraw), so that the others, timing out
+# at their own deadlines moments later, name it as gone, not as never come. Rank 0 clears
+# the marks of earlier tries as it joins: those of a try it was in, only, count.
+GAVE_UP = f"{FORMATION}gave-up/"
 
 
 def _alike(address: str) -> dict[str, str]:
@@ -1060,12 +1080,13 @@ def _withdraw(store: StoreClient, rank: int, table: bool) -> None:
     address of the process that gave up. (Not where the ranks' settings differ: rank 0
     names the ranks created otherwise from their keys, and a table that says so is for
     the others to read; a try again needs the settings changed, or another name.)"""
-    keys = [f"{FORMATION}rank/{rank}"] + ([f"{FORMATION}table"] if table else [])
-    for k in keys:
-        try:
-            store.delete(k, timeout=ASK_S)
-        except (StoreError, OSError):
-            pass  # (the store is gone, or does not answer: nothing to clean, or no way to)
+    try:  # (the mark first: a rank asking in between finds one or the other)
+        store.set(f"{GAVE_UP}{rank}", "1", timeout=ASK_S)
+        store.delete(f"{FORMATION}rank/{rank}", timeout=ASK_S)
+        if table:
+            store.delete(f"{FORMATION}table", timeout=ASK_S)
+    except (StoreError, OSError):
+        pass  # (the store is gone, or does not answer: nothing to clean, or no way to)
 
 
 def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
@@ -1078,10 +1099,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
     keys = [f"{FORMATION}rank/{r}" for r in range(size)]
     if rank == 0:
         try:
+            store.delete_prefix(GAVE_UP, timeout=left())  # (of earlier tries: see GAVE_UP)
             store.wait(keys, timeout=left())
         except StoreTimeoutError:
-            missing = _missing_ranks(store, keys, ASK_S)
-            joined = [k for r, k in enumerate(keys) if r not in missing and r != 0]
+            missing, gave_up = _missing_ranks(store, range(size), ASK_S)
+            joined = [k for r, k in enumerate(keys)
+                      if r not in missing and r not in gave_up and r != 0]
             differ = ""
             if joined:  # (those of another world size, say: ranks beyond theirs never come)
                 try:
@@ -1093,8 +1116,10 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
             if differ:
                 done.add("differ")  # (rank 0's key stays: a rank coming later compares)
             raise FormationTimeoutError(
-                f"group {name!r} not formed: ranks {missing} did not join within the timeout"
-                + (f" ({differ})" if differ else ""), missing=missing) from None
+                f"group {name!r} not formed within the timeout: "
+                + (_not_joined(missing, gave_up) or "the store could not tell which ranks "
+                   "did not join") + (f" ({differ})" if differ else ""),
+                missing=missing, gave_up=gave_up) from None
         addrs = [a.decode() for a in store.multi_get(keys, timeout=left())]
         differ = _differ(name, address, dict(enumerate(addrs)))
         if differ:
@@ -1120,6 +1145,11 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
     try:
         first = store.get(keys[0], timeout=left()).decode()
     except StoreTimeoutError:
+        _, gave_up = _missing_ranks(store, [0], ASK_S)
+        if gave_up:
+            raise FormationTimeoutError(
+                f"group {name!r} not formed within the timeout on rank {rank}: "
+                + _not_joined([], gave_up), gave_up=gave_up) from None
         raise FormationTimeoutError(
             f"group {name!r} not formed within the timeout on rank {rank}: rank 0 did not "
             "join (is rank 0 alive, and its store? If they are, the group was perhaps formed "
@@ -1133,12 +1163,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         try:
             text = store.get(f"{FORMATION}table", timeout=left()).decode()
         except StoreTimeoutError:
-            missing = _missing_ranks(store, keys, ASK_S)
-            why = f"ranks {missing} did not join" if missing else \
+            missing, gave_up = _missing_ranks(store, range(size), ASK_S)
+            why = _not_joined(missing, gave_up) or \
                 "rank 0 published no address table (is rank 0 alive, and its store?)"
             raise FormationTimeoutError(
                 f"group {name!r} not formed within the timeout on rank {rank}: {why}",
-                missing=missing) from None
+                missing=missing, gave_up=gave_up) from None
         if text.startswith("!"):  # rank 0 found the ranks' settings differ
             done.add("differ")
             raise FormationError(text[1:])

@@ -731,6 +731,63 @@ def test_formation_timeout_names_missing_ranks():
     assert time.monotonic() - t < 3
 
 
+def gives_up_first(rank, size, port, timeouts, start_after):
+    """Rank r (of world 3; rank 2 never comes) starts after ``start_after[r]`` s with
+    ``timeouts[r]``: whoever gives up first withdraws its key before the other's deadline.
+    (A store of its own: rank 0's, hosted, would end as rank 0 gives up.)"""
+    time.sleep(start_after[rank])
+    try:
+        ctrlcomm.Group.create("127.0.0.1", port, rank, 3, host_store=False,
+                              timeout=timeouts[rank])
+    except ctrlcomm.FormationTimeoutError as e:
+        return str(e), e.missing, e.gave_up
+    return "formed"
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_formation_timeout_names_a_rank_that_joined_and_gave_up_as_such(first):
+    """Rank 2 never comes. The rank that gives up first (its own deadline) had joined: the
+    other names it as gone, not as missing (before: "ranks [1, 2] did not join", or on rank
+    1 "ranks [0, 2]", from the keys left at the other's deadline)."""
+    other = 1 - first
+    timeouts = {first: 1.0, other: 3.0}
+    start_after = {first: 0.0, other: 0.3}
+    srv = ctrlcomm.StoreServer("127.0.0.1", 0)
+    try:
+        res = run_ranks(gives_up_first, 2, srv.port, timeouts, start_after, timeout=60)
+    finally:
+        srv.close()
+    text, missing, gave_up = res[first]
+    assert missing == [2] and gave_up == [], res
+    assert "ranks [2] did not join" in text and "gave up" not in text, text
+    text, missing, gave_up = res[other]
+    assert missing == [2] and gave_up == [first], res
+    assert f"ranks [2] did not join; ranks [{first}] joined and gave up" in text, text
+
+
+def test_a_mark_of_a_rank_that_gave_up_in_an_earlier_try_does_not_count():
+    """A formation try on a store of its own, rank 1 giving up first; then rank 0 alone:
+    rank 1 did not join this try."""
+    srv = ctrlcomm.StoreServer("127.0.0.1", 0)
+    try:
+        res = run_ranks(joins_with_own_store, 2, srv.port, {0: 2.0, 1: 0.5}, timeout=60)
+        assert res[0][1:] == ([2], [1]), res
+        with pytest.raises(ctrlcomm.FormationTimeoutError) as e:
+            ctrlcomm.Group.create("127.0.0.1", srv.port, 0, 3, host_store=False, timeout=0.5)
+        assert e.value.missing == [1, 2] and e.value.gave_up == [], str(e.value)
+    finally:
+        srv.close()
+
+
+def joins_with_own_store(rank, size, port, timeouts):
+    try:
+        ctrlcomm.Group.create("127.0.0.1", port, rank, 3, host_store=False,
+                              timeout=timeouts[rank])
+    except ctrlcomm.FormationTimeoutError as e:
+        return str(e), e.missing, e.gave_up
+    return "formed"
+
+
 def created_otherwise(rank, size, port, settings, timeout):
     """Rank r is created with ``settings[r]`` (world size, codec, transport)."""
     ws, codec, transport = settings[rank]
