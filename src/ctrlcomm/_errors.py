@@ -146,7 +146,13 @@ class StoreError(CtrlcommError):
 
 
 class StoreTimeoutError(StoreError, TimeoutError):
-    """A store request did not complete before its deadline."""
+    """A store request did not complete before its deadline: ``answered`` False where the
+    store sent no reply at all (gone, or not reachable), True where it answered that the
+    keys waited for were still missing."""
+
+    def __init__(self, message: str, *, answered: bool = True) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class CodecError(CtrlcommError, TypeError):

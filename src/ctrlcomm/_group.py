@@ -1101,10 +1101,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         try:
             store.delete_prefix(GAVE_UP, timeout=left())  # (of earlier tries: see GAVE_UP)
             store.wait(keys, timeout=left())
-        except StoreTimeoutError:
-            missing, gave_up = _missing_ranks(store, range(size), ASK_S)
+        except StoreTimeoutError as e:
+            # (a store that answered nothing is not asked again: it would take as long)
+            missing, gave_up = _missing_ranks(store, range(size), ASK_S) if e.answered \
+                else ([], [])
             joined = [k for r, k in enumerate(keys)
-                      if r not in missing and r not in gave_up and r != 0]
+                      if r not in missing and r not in gave_up and r != 0] if e.answered else []
             differ = ""
             if joined:  # (those of another world size, say: ranks beyond theirs never come)
                 try:
@@ -1144,7 +1146,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
     # (rank 0, waiting for ranks that never come, says it at its deadline)
     try:
         first = store.get(keys[0], timeout=left()).decode()
-    except StoreTimeoutError:
+    except StoreTimeoutError as e:
+        if not e.answered:
+            raise FormationTimeoutError(
+                f"group {name!r} not formed within the timeout on rank {rank}: the store at "
+                f"{store.host}:{store.port} answered nothing (is rank 0 alive, and its "
+                "store?)") from None
         _, gave_up = _missing_ranks(store, [0], ASK_S)
         if gave_up:
             raise FormationTimeoutError(
@@ -1162,10 +1169,13 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
     while True:
         try:
             text = store.get(f"{FORMATION}table", timeout=left()).decode()
-        except StoreTimeoutError:
-            missing, gave_up = _missing_ranks(store, range(size), ASK_S)
-            why = _not_joined(missing, gave_up) or \
+        except StoreTimeoutError as e:
+            missing, gave_up = _missing_ranks(store, range(size), ASK_S) if e.answered \
+                else ([], [])
+            why = _not_joined(missing, gave_up) or (
                 "rank 0 published no address table (is rank 0 alive, and its store?)"
+                if e.answered else f"the store at {store.host}:{store.port} answered nothing "
+                "(is rank 0 alive, and its store?)")
             raise FormationTimeoutError(
                 f"group {name!r} not formed within the timeout on rank {rank}: {why}",
                 missing=missing, gave_up=gave_up) from None

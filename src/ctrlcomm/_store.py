@@ -260,7 +260,8 @@ class StoreClient:
                  "every rank and the store need the same one)") if self._conn.key else \
                 " (is it running? one run with an auth_key answers nothing unsigned)"
             raise StoreTimeoutError(
-                f"store at {self.host}:{self.port} did not answer within {t:.1f} s{hint}")
+                f"store at {self.host}:{self.port} did not answer within {t:.1f} s{hint}",
+                answered=False)
         if rep.status == w.R_ERROR:
             raise StoreError(f"store at {self.host}:{self.port} refused the request: "
                              f"{rep.values[0].decode(errors='replace') if rep.values else ''}")

@@ -788,6 +788,35 @@ def joins_with_own_store(rank, size, port, timeouts):
     return "formed"
 
 
+def store_host_dies(rank, size, port):
+    """Rank 0 (hosting the store) is killed 1.5 s after it starts; rank 1 waits for the
+    address table (world 3: rank 2 never comes) with a timeout of 3 s."""
+    if rank == 0:
+        import os
+        import signal
+
+        threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        ctrlcomm.Group.create("127.0.0.1", port, 0, 3, timeout=30)
+        return None
+    time.sleep(0.5)
+    t = time.monotonic()
+    try:
+        ctrlcomm.Group.create("127.0.0.1", port, 1, 3, timeout=3.0)
+    except ctrlcomm.FormationTimeoutError as e:
+        return str(e), time.monotonic() - t
+    return "formed"
+
+
+def test_a_rank_whose_store_died_says_so_within_its_bound():
+    """The README's bound: the deadline, half a second asking the store why, one more second
+    for a store that answers nothing. (Before: 2 s over, from asking a dead store why after
+    waiting out its reply slack; and the message blamed rank 0's table.)"""
+    res = run_ranks(store_host_dies, 2, free_port(), may_die=(0,), timeout=60)
+    text, took = res[1]
+    assert "answered nothing (is rank 0 alive, and its store?)" in text, text
+    assert took < 3.0 + 1.5 + 0.4, took
+
+
 def created_otherwise(rank, size, port, settings, timeout):
     """Rank r is created with ``settings[r]`` (world size, codec, transport)."""
     ws, codec, transport = settings[rank]
