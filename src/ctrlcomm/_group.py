@@ -376,6 +376,64 @@ async def _run_async(core: Core, call: Call, timeout: float | None) -> Any:
 
 # ------------------------------------------------------------------------ store hosting
 
+# The groups from_env formed through torchrun's agent store, per name, in this process: the
+# ranks form them in the same order, so the n-th of a name finds the n-th store address
+_agent_tries: dict[str, int] = {}
+
+
+def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size: int,
+                         kwargs: dict[str, Any]) -> Group:
+    """:meth:`Group.from_env` under torchrun, whose agent's TCPStore holds ``port``: rank 0
+    hosts ctrlcomm's store on a free port and publishes its address in the agent's store;
+    the others read it there, then all form the group as usual (within one deadline)."""
+    rank, size = _validate_world(rank, size)
+    name = kwargs.get("name", "default")
+    t = _timeout_arg(kwargs.get("timeout", 300.0), "Group.from_env")
+    if t is None or not isinstance(name, str):
+        return cls.create(host, port, rank, size, **kwargs)  # (which says what is wrong)
+    try:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+    except ImportError:
+        raise InvalidArgumentError(
+            "Group.from_env under torchrun: its agent's store holds MASTER_PORT, and reaching "
+            "it needs torch; set CTRLCOMM_PORT to a free port") from None
+    deadline = time.monotonic() + t
+    n = _agent_tries.get(name, 0)
+    _agent_tries[name] = n + 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"ctrlcomm/attempt_{restart}/{name}/{n}/store"
+    try:
+        agent = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=t),
+                         wait_for_workers=False)
+    except Exception as e:  # (torch's DistNetworkError, RuntimeError...)
+        raise StoreError(f"Group.from_env under torchrun: cannot reach its agent's store at "
+                         f"{host}:{port}: {type(e).__name__}: {e}") from None
+    try:
+        if rank == 0:
+            auth_key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
+            srv = StoreServer(local_address_for(host, port), 0,
+                              auth_key=auth_key, encrypt=bool(kwargs.get("encrypt", False)))
+            srv.pid = os.getpid()  # type: ignore[attr-defined]
+            store_host, store_port = srv.host, srv.port
+            with _servers_lock:  # (create takes it up; closed if unused: _release_server)
+                _servers[(store_host, store_port)] = [srv, 1]
+            _release_server(store_host, store_port)
+            agent.set(key, f"{store_host} {store_port}")
+        else:
+            try:
+                store_host, _, p = agent.get(key).decode().rpartition(" ")
+            except Exception:  # (torch's DistStoreError: a timeout, or the agent gone)
+                raise FormationTimeoutError(
+                    f"group {name!r} not formed within the timeout on rank {rank}: rank 0 did "
+                    f"not publish its store's address in torchrun's agent store at "
+                    f"{host}:{port} (is rank 0 alive?)", missing=[0]) from None
+            store_port = int(p)
+    finally:
+        del agent
+    return cls.create(store_host, store_port, rank, size, **kwargs, _deadline=deadline)
+
 _servers: dict[tuple[str, int], list[Any]] = {}  # (host, port) -> [server, refcount]
 _servers_lock = threading.Lock()
 
@@ -528,6 +586,7 @@ class Group:
         heartbeat_interval: float = 1.0,
         liveness_timeout: float | None = LIVENESS_TIMEOUT_S,
         encrypt: bool = False,
+        _deadline: float | None = None,
     ) -> Group:
         """Form a group through the store at ``(host, port)``.
 
@@ -615,7 +674,8 @@ class Group:
                     "encrypt=True: this pyzmq's libzmq was built without CURVE support")
         if host_store is None:
             host_store = rank == 0
-        deadline = time.monotonic() + t
+        # (_deadline: formation's, where it began before, as from_env's under torchrun)
+        deadline = time.monotonic() + t if _deadline is None else _deadline
         live = None if liveness_timeout is None else _seconds(liveness_timeout)
         if live is not None and not live > 0:
             raise InvalidArgumentError(f"liveness_timeout must be > 0 or None, got "
@@ -656,8 +716,11 @@ class Group:
                 # bound to every interface: peers are told the one that reaches the store
                 # (the address bound, 0.0.0.0, would send a peer elsewhere to its own host)
                 address = _tcp(local_address_for(host, port), _parse_tcp(address)[1][1])
+            # ("join:": this try's own, so that no later try reads this one's table as its
+            # own, were its ports the same again)
             me = " ".join(filter(None, (address, str(hb.port), local,
-                                        "curve:" + curve.decode() if curve else "", proc, alike)))
+                                        "curve:" + curve.decode() if curve else "", proc, alike,
+                                        "join:" + os.urandom(6).hex())))
             nonce, table = _rendezvous(store, me, rank, world_size, name, deadline)
             fields = {r: line.split(" ") for r, line in table.items()}
             peers = {r: f[0] for r, f in fields.items()}
@@ -712,9 +775,13 @@ class Group:
         ``CTRLCOMM_WORLD_SIZE`` (and optional ``CTRLCOMM_NAME``, ``CTRLCOMM_TIMEOUT``), each
         falling back to torchrun's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``.
 
-        Note that torch.distributed's own store also listens on ``MASTER_PORT`` when it is
-        initialized from the same variables: set ``CTRLCOMM_PORT`` to another port then.
-        Keyword arguments are passed on to :meth:`create`.
+        Under torchrun (its agent's TCPStore listens on ``MASTER_PORT``,
+        ``TORCHELASTIC_USE_AGENT_STORE=True``) and without ``CTRLCOMM_PORT``, rank 0 hosts
+        ctrlcomm's store on a free port of the interface that reaches ``MASTER_ADDR`` and
+        tells the others through the agent's store (this needs torch, which torchrun has).
+        Elsewhere, note that torch.distributed's own store also listens on ``MASTER_PORT``
+        when it is initialized from the same variables: set ``CTRLCOMM_PORT`` to another
+        port then. Keyword arguments are passed on to :meth:`create`.
         """
         env = os.environ
 
@@ -739,6 +806,9 @@ class Group:
         if "CTRLCOMM_TIMEOUT" in env and "timeout" not in kwargs:
             kwargs["timeout"] = _timeout_arg(env["CTRLCOMM_TIMEOUT"],
                                              "Group.from_env: CTRLCOMM_TIMEOUT")
+        if not env.get("CTRLCOMM_PORT") and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return _through_agent_store(cls, host, vals["CTRLCOMM_PORT"], vals["CTRLCOMM_RANK"],
+                                        vals["CTRLCOMM_WORLD_SIZE"], kwargs)
         return cls.create(host, vals["CTRLCOMM_PORT"], vals["CTRLCOMM_RANK"],
                           vals["CTRLCOMM_WORLD_SIZE"], **kwargs)
 
@@ -1048,7 +1118,8 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
 
     Rank 0 waits for every rank's key, publishes the table (nonce and addresses, plain text:
     nothing here is ever unpickled; or, where the ranks' settings differ, ``!`` and what
-    differs) and, once every rank has read it, deletes its keys (FORMATION). A rank that times
+    differs) and, once every rank has read it, deletes the table and its own key (each other
+    rank deleted its own as it read the table). A rank that times
     out asks the store why for at most :data:`ASK_S` more (a store that does not answer
     at all takes its reply slack more, ``REPLY_SLACK_S``). A rank whose formation fails
     takes its key back (and rank 0 its table), so that it can try again with the same name
@@ -1138,9 +1209,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
                 raise FormationTimeoutError(
                     f"group {name!r} not formed: not every rank read the address table in time"
                 ) from None
-        # (the formation's keys only: the ranks may have set keys of their own already,
-        # through the group's store client, since they read the table)
-        store.delete_prefix(FORMATION, timeout=left())
+        # this formation's keys only: the ranks may have set keys of their own already,
+        # through the group's store client, since they read the table; and, having closed
+        # the group at once, one may be in the next formation of this name already (a
+        # prefix deleted would take its key). Each other rank deleted its own key.
+        store.multi_delete([keys[0], f"{FORMATION}table", f"{FORMATION}acks/{nonce}",
+                            f"{FORMATION}done/{nonce}"], timeout=left())
         return nonce, dict(enumerate(addrs))
     # rank 0's settings, as soon as it has joined: a rank created otherwise says so at once
     # (rank 0, waiting for ranks that never come, says it at its deadline)
@@ -1192,6 +1266,9 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
                 "for an earlier try of this rank, or for an earlier group of this name): "
                 "try again")
         time.sleep(0.05)
+    # (its key first: once every rank has acknowledged, rank 0 returns, and so may this
+    # rank; a next formation of this name, right after a close, must find it gone)
+    store.delete(keys[rank], timeout=left())
     if store.add(f"{FORMATION}acks/{lines[0]}", 1, timeout=left()) == size - 1:
         store.set(f"{FORMATION}done/{lines[0]}", "1", timeout=left())
     return lines[0], dict(enumerate(lines[1:]))

@@ -358,6 +358,10 @@ class StoreClient:
 
     delete_key = delete
 
+    def multi_delete(self, keys: Sequence[str | bytes], *, timeout: float | None = None) -> int:
+        """Delete each of ``keys`` (in one request); returns how many existed."""
+        return int(self._call(w.S_DELETE, [self._k(k) for k in keys], (), timeout).values[0])
+
     def delete_prefix(self, prefix: str | bytes, *, timeout: float | None = None) -> int:
         return int(self._call(w.S_DELETE_PREFIX, [self._k(prefix)], (), timeout).values[0])
 

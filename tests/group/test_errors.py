@@ -817,6 +817,36 @@ def test_a_rank_whose_store_died_says_so_within_its_bound():
     assert took < 3.0 + 1.5 + 0.4, took
 
 
+def recreates_at_once(rank, size, port):
+    """Create and close a group of one name, three times, nothing in between; rank 0 is slow
+    (0.3 s, as a process descheduled on a loaded host) to clean the formation's keys."""
+    if rank == 0:
+        from ctrlcomm import StoreClient
+
+        for method in ("delete_prefix", "multi_delete"):
+            orig = getattr(StoreClient, method, None)
+            if orig is not None:
+                def slow(self, *a, _orig=orig, **k):
+                    time.sleep(0.3)
+                    return _orig(self, *a, **k)
+                setattr(StoreClient, method, slow)
+    out = []
+    for _ in range(3):
+        try:
+            ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="same", timeout=5).close()
+            out.append("formed")
+        except ctrlcomm.CtrlcommError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_group_created_again_at_once_after_close_forms():
+    """(Before: a rank that had read the table returned while its key stayed until rank 0
+    deleted the formation's keys; creating the group again at once, it found its own key:
+    "rank 1 already joined", and the others timed out.)"""
+    assert run_ranks(recreates_at_once, 3, free_port(), timeout=90) == [["formed"] * 3] * 3
+
+
 def created_otherwise(rank, size, port, settings, timeout):
     """Rank r is created with ``settings[r]`` (world size, codec, transport)."""
     ws, codec, transport = settings[rank]
@@ -965,6 +995,43 @@ def test_from_env(torchrun):
     for r, (name, rank, ws, ag) in enumerate(res):
         assert (rank, ws, ag) == (r, 3, [0, 1, 2])
         assert name == ("default" if torchrun else "envgroup")
+
+
+TORCHRUN_CHILD = """
+import json, os
+import torch.distributed as dist
+import ctrlcomm
+
+dist.init_process_group("gloo")  # (its store: torchrun's agent's, on MASTER_PORT too)
+out = []
+for _ in range(2):  # (two groups of one name, one after the other)
+    with ctrlcomm.Group.from_env(timeout=30) as g:
+        out.append(g.all_gather(g.rank))
+with ctrlcomm.Group.from_env(name="other", timeout=30) as g:
+    out.append(g.all_reduce(g.rank + 1))
+dist.barrier()
+dist.destroy_process_group()
+print("RESULT", os.environ["RANK"], json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_from_env_under_torchrun(tmp_path):
+    """Under torchrun its agent's store holds MASTER_PORT (before: rank 0 could not bind
+    its store there, "address already in use", and rank 1 timed out asking it)."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    script = tmp_path / "child.py"
+    script.write_text(TORCHRUN_CHILD)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", str(script)],
+                       capture_output=True, text=True, timeout=180)
+    got = sorted(line.split(" ", 2)[1:] for line in p.stdout.splitlines()
+                 if line.startswith("RESULT"))
+    assert p.returncode == 0 and got == [["0", "[[0, 1], [0, 1], 3]"],
+                                         ["1", "[[0, 1], [0, 1], 3]"]], p.stdout + p.stderr
 
 
 def test_from_env_missing_variables(monkeypatch):
