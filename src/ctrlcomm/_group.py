@@ -394,7 +394,7 @@ def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size
     try:
         from datetime import timedelta
 
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
     except ImportError:
         raise InvalidArgumentError(
             "Group.from_env under torchrun: its agent's store holds MASTER_PORT, and reaching "
