@@ -173,3 +173,14 @@ class FormationTimeoutError(FormationError, TimeoutError):
         super().__init__(message)
         self.missing = list(missing)
         self.gave_up = list(gave_up)
+
+
+class FormationStoreTimeoutError(FormationTimeoutError, StoreTimeoutError):
+    """Formation timed out because its store answered nothing (rank 0, which hosts it by
+    default, did not come, or is gone; or a store run elsewhere is not running): caught as
+    either."""
+
+    def __init__(self, message: str, *, missing: Sequence[int] = ()) -> None:
+        FormationTimeoutError.__init__(self, message, missing=missing)
+        self.answered = False
+

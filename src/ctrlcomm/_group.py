@@ -13,6 +13,7 @@ import logging
 import operator
 import os
 import queue
+import socket
 import threading
 import time
 import weakref
@@ -28,6 +29,7 @@ from ._errors import (
     CodecError,
     CtrlcommError,
     FormationError,
+    FormationStoreTimeoutError,
     FormationTimeoutError,
     InvalidArgumentError,
     OperandError,
@@ -508,6 +510,22 @@ def _group_id(name: str, nonce: str) -> int:
                           "little")
 
 
+def _store_host(host: Any, port: Any) -> str:
+    """``host``, checked: a str that resolves (an IPv6 address in brackets, as in a URL,
+    without them)."""
+    if not isinstance(host, str) or not host.strip("[]"):
+        raise InvalidArgumentError(f"host must be a host name or address (a str), got "
+                                   f"{show(host)}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise StoreError(f"cannot reach the store at {host}:{port}: host {host!r} does not "
+                         f"resolve ({getattr(e, 'strerror', None) or e})") from None
+    return str(host)
+
+
 def _validate_world(rank: Any, world_size: Any) -> tuple[int, int]:
     try:  # (a bool is an int to Python, never a rank or a size: as in the collectives)
         if isinstance(world_size, bool):
@@ -637,6 +655,7 @@ class Group:
                 were created with different world sizes, codecs or transports (named).
         """
         rank, world_size = _validate_world(rank, world_size)
+        host = _store_host(host, port)
         if not isinstance(name, str) or not name or "/" in name or "\n" in name:
             raise InvalidArgumentError(f"group name must be a non-empty str without '/' or "
                                        f"newlines, got {name!r}")
@@ -672,6 +691,7 @@ class Group:
             if not curve_available():
                 raise InvalidArgumentError(
                     "encrypt=True: this pyzmq's libzmq was built without CURVE support")
+        rank0_hosts = host_store is None  # (for the error where the store answers nothing)
         if host_store is None:
             host_store = rank == 0
         # (_deadline: formation's, where it began before, as from_env's under torchrun)
@@ -721,7 +741,8 @@ class Group:
             me = " ".join(filter(None, (address, str(hb.port), local,
                                         "curve:" + curve.decode() if curve else "", proc, alike,
                                         "join:" + os.urandom(6).hex())))
-            nonce, table = _rendezvous(store, me, rank, world_size, name, deadline)
+            nonce, table = _rendezvous(store, me, rank, world_size, name, deadline,
+                                       rank0_hosts=rank0_hosts)
             fields = {r: line.split(" ") for r, line in table.items()}
             peers = {r: f[0] for r, f in fields.items()}
 
@@ -1112,8 +1133,23 @@ def _differ(name: str, mine: str, records: dict[int, str]) -> str:
             + "; " + "; ".join(parts))
 
 
+def _silent_store(store: StoreClient, name: str, rank: int, rank0_hosts: bool
+                  ) -> FormationStoreTimeoutError:
+    """The error of a formation whose store answered nothing by the deadline."""
+    where = f"the store at {store.host}:{store.port}"
+    if rank0_hosts:
+        return FormationStoreTimeoutError(
+            f"group {name!r} not formed within the timeout on rank {rank}: {where}, which "
+            "rank 0 hosts, answered nothing: rank 0 did not come, or is gone (is it alive, "
+            "and created with this host and port?)", missing=[0])
+    return FormationStoreTimeoutError(
+        f"group {name!r} not formed within the timeout on rank {rank}: {where} answered "
+        "nothing (is it running, at this address? One run with an auth_key answers nothing "
+        "unsigned)")
+
+
 def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: str,
-                deadline: float) -> tuple[str, dict[int, str]]:
+                deadline: float, rank0_hosts: bool = True) -> tuple[str, dict[int, str]]:
     """Publish this rank's address; return (nonce, {rank: address}) of the formed group.
 
     Rank 0 waits for every rank's key, publishes the table (nonce and addresses, plain text:
@@ -1124,10 +1160,16 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     at all takes its reply slack more, ``REPLY_SLACK_S``). A rank whose formation fails
     takes its key back (and rank 0 its table), so that it can try again with the same name
     (:func:`_withdraw`); the acknowledgements are counted per table (its nonce), so that a
-    late one of a failed try never counts toward the next.
+    late one of a failed try never counts toward the next. ``rank0_hosts``: whether the store
+    is rank 0's (Group.create's default), for the error where it answers nothing.
     """
-    ok, held = store.set_if_absent(f"{FORMATION}rank/{rank}", address,
-                                   timeout=max(deadline - time.monotonic(), 0.001))
+    try:
+        ok, held = store.set_if_absent(f"{FORMATION}rank/{rank}", address,
+                                       timeout=max(deadline - time.monotonic(), 0.001))
+    except StoreTimeoutError as e:
+        if e.answered:
+            raise
+        raise _silent_store(store, name, rank, rank0_hosts) from None
     if not ok:
         raise FormationError(
             f"group {name!r}: rank {rank} already joined from {held.decode(errors='replace')} "
@@ -1137,7 +1179,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     # address table), "differ" (the ranks' settings differ: the keys stay, see _withdraw)
     done: set[str] = set()
     try:
-        return _join(store, address, rank, size, name, deadline, done)
+        return _join(store, address, rank, size, name, deadline, done, rank0_hosts)
     except BaseException:
         if "differ" not in done:
             _withdraw(store, rank, "table" in done)
@@ -1161,7 +1203,8 @@ def _withdraw(store: StoreClient, rank: int, table: bool) -> None:
 
 
 def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
-          deadline: float, done: set[str]) -> tuple[str, dict[int, str]]:
+          deadline: float, done: set[str], rank0_hosts: bool = True
+          ) -> tuple[str, dict[int, str]]:
     """:func:`_rendezvous` once this rank's key is set; ``done``: see there."""
 
     def left() -> float:
@@ -1222,10 +1265,7 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         first = store.get(keys[0], timeout=left()).decode()
     except StoreTimeoutError as e:
         if not e.answered:
-            raise FormationTimeoutError(
-                f"group {name!r} not formed within the timeout on rank {rank}: the store at "
-                f"{store.host}:{store.port} answered nothing (is rank 0 alive, and its "
-                "store?)") from None
+            raise _silent_store(store, name, rank, rank0_hosts) from None
         _, gave_up = _missing_ranks(store, [0], ASK_S)
         if gave_up:
             raise FormationTimeoutError(
@@ -1244,12 +1284,11 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         try:
             text = store.get(f"{FORMATION}table", timeout=left()).decode()
         except StoreTimeoutError as e:
-            missing, gave_up = _missing_ranks(store, range(size), ASK_S) if e.answered \
-                else ([], [])
-            why = _not_joined(missing, gave_up) or (
+            if not e.answered:
+                raise _silent_store(store, name, rank, rank0_hosts) from None
+            missing, gave_up = _missing_ranks(store, range(size), ASK_S)
+            why = _not_joined(missing, gave_up) or \
                 "rank 0 published no address table (is rank 0 alive, and its store?)"
-                if e.answered else f"the store at {store.host}:{store.port} answered nothing "
-                "(is rank 0 alive, and its store?)")
             raise FormationTimeoutError(
                 f"group {name!r} not formed within the timeout on rank {rank}: {why}",
                 missing=missing, gave_up=gave_up) from None

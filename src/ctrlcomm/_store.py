@@ -10,6 +10,7 @@ deadline passes; the reply then says which keys were missing.
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _wire as w
-from ._errors import InvalidArgumentError, StoreError, StoreTimeoutError
+from ._errors import InvalidArgumentError, StoreError, StoreTimeoutError, show
 
 # Limits that keep a misbehaving client from growing the server without bound.
 MAX_KEY = 4096
@@ -205,6 +206,27 @@ def _secs(timeout: Any) -> float:
                                    "or a timedelta") from None
 
 
+# the longest timeout a store call takes (longer ones are this: 30 years)
+MAX_TIMEOUT_S = 1e9
+
+
+def _timeout(timeout: Any, op: str) -> float:
+    """A store call's timeout, in seconds (a number or a timedelta), > 0."""
+    t = _secs(timeout)
+    if not t > 0:  # (NaN too)
+        raise InvalidArgumentError(f"store {op}: timeout must be > 0 seconds, got "
+                                   f"{show(timeout)}")
+    return min(t, MAX_TIMEOUT_S)
+
+
+def _key_list(keys: Any, op: str) -> Sequence[str | bytes]:
+    """``keys``, a list of keys (one str would be taken as its characters), as TCPStore."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"store {op}: keys must be a list of keys, got one {type(keys).__name__}"
+                        f" ({show(keys)}): pass [{show(keys)}]")
+    return keys  # type: ignore[no-any-return]
+
+
 # A get or wait of timeout t lets the store wait t for the keys (as TCPStore's do), and its
 # reply (a timeout naming the keys still missing) this much longer to come back.
 REPLY_SLACK_S = 1.0
@@ -230,7 +252,14 @@ class StoreClient:
                  auth_key: bytes | str | None = None, encrypt: bool = False) -> None:
         from ._transport import StoreConnection
 
-        self.host, self.port, self.timeout, self.prefix = host, int(port), _secs(timeout), prefix
+        try:
+            port = operator.index(port)
+        except TypeError:
+            raise InvalidArgumentError(f"store: port must be an int, got {show(port)}") from None
+        if not 0 < port < 65536:
+            raise InvalidArgumentError(f"store: port must be in 1..65535, got {port}")
+        self.host, self.port, self.prefix = host, port, prefix
+        self.timeout = _timeout(timeout, "client")
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
         if encrypt and not key:
             raise InvalidArgumentError("an encrypted store connection needs an auth_key")
@@ -238,6 +267,7 @@ class StoreClient:
         self._conn = StoreConnection(host, int(port), key or None, encrypt)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"StoreClient({self.host!r}, {self.port}, prefix={self.prefix!r})"
@@ -247,12 +277,18 @@ class StoreClient:
 
     def _call(self, op: int, keys: Sequence[bytes], values: Sequence[bytes] = (),
               timeout: float | None = None, wait: float = 0.0) -> w.StoreReply:
-        t = self.timeout if timeout is None else _secs(timeout)
+        t = self.timeout if timeout is None else _timeout(timeout, w.STORE_OP_NAME.get(op, "call"))
         # (a wait beyond the wire's limit, decades, would be dropped as malformed)
         wait = min(wait, w.STORE_MAX_WAIT_S / 2)
         with self._lock:
+            if self._closed:
+                raise StoreError(f"the store client of {self.host}:{self.port} is closed")
             req = w.StoreRequest(op, next(self._ids) & 0xFFFFFFFF, wait, tuple(keys), tuple(values))
-            rep = self._conn.request(req, deadline=time.monotonic() + t)
+            try:
+                rep = self._conn.request(req, deadline=time.monotonic() + t)
+            finally:
+                if self._closed:  # by another thread, while this request waited: it woke it
+                    self._conn.close()
         if rep is None:
             hint = (" (with encryption on, a store that runs without it, or with another "
                     "key, never answers)") if self.encrypt else \
@@ -276,27 +312,31 @@ class StoreClient:
 
     def multi_get(self, keys: Sequence[str | bytes], *, wait: bool = True,
                   timeout: float | None = None) -> list[bytes]:
-        t = self.timeout if timeout is None else _secs(timeout)
+        t = self.timeout if timeout is None else _timeout(timeout, "get")
+        keys = _key_list(keys, "multi_get")
         rep = self._call(w.S_GET, [self._k(k) for k in keys], (), t + REPLY_SLACK_S,
                          t if wait else 0.0)
         if rep.status == w.R_TIMEOUT:
             missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
             if not wait:
                 raise KeyError(missing[0] if len(missing) == 1 else missing)
-            raise StoreTimeoutError(f"store get timed out after {t:g} s; missing keys {missing}")
+            raise StoreTimeoutError(f"store at {self.host}:{self.port}: get timed out after "
+                                    f"{t:g} s; missing keys {missing}")
         return list(rep.values)
 
     def wait(self, keys: Sequence[str | bytes], timeout: float | None = None) -> None:
         """Wait until every key exists. Raises :class:`StoreTimeoutError` naming the missing."""
-        t = self.timeout if timeout is None else _secs(timeout)  # (torch passes a timedelta)
+        t = self.timeout if timeout is None else _timeout(timeout, "wait")  # (or a timedelta)
+        keys = _key_list(keys, "wait")
         rep = self._call(w.S_WAIT, [self._k(k) for k in keys], (), t + REPLY_SLACK_S, t)
         if rep.status == w.R_TIMEOUT:
             missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
-            raise StoreTimeoutError(f"store wait timed out after {t:g} s; missing keys {missing}")
+            raise StoreTimeoutError(f"store at {self.host}:{self.port}: wait timed out after "
+                                    f"{t:g} s; missing keys {missing}")
 
     def set_timeout(self, timeout: Any) -> None:
         """The default deadline of every call, in seconds or as a timedelta (TCPStore's)."""
-        self.timeout = _secs(timeout)
+        self.timeout = _timeout(timeout, "set_timeout")
 
     def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes], *,
                   timeout: float | None = None) -> None:
@@ -326,7 +366,11 @@ class StoreClient:
     def add(self, key: str | bytes, amount: int, *, timeout: float | None = None) -> int:
         """Add ``amount`` to the 64-bit integer ``key`` holds (0 if absent), wrapping as
         TCPStore's add does; returns the new value."""
-        n = int(amount)
+        try:  # (an int, as TCPStore's: 1.5 or "7" are refused, not cut or parsed)
+            n = operator.index(amount)
+        except TypeError:
+            raise TypeError(f"store add of {key!r}: the amount must be an int, got a "
+                            f"{type(amount).__name__} ({show(amount)})") from None
         if not _I64_MIN <= n <= _I64_MAX:
             raise InvalidArgumentError(f"store add of {key!r}: the amount must be a 64-bit "
                                        f"integer, got one of {n.bit_length()} bits")
@@ -360,6 +404,7 @@ class StoreClient:
 
     def multi_delete(self, keys: Sequence[str | bytes], *, timeout: float | None = None) -> int:
         """Delete each of ``keys`` (in one request); returns how many existed."""
+        keys = _key_list(keys, "multi_delete")
         return int(self._call(w.S_DELETE, [self._k(k) for k in keys], (), timeout).values[0])
 
     def delete_prefix(self, prefix: str | bytes, *, timeout: float | None = None) -> int:
@@ -367,9 +412,10 @@ class StoreClient:
 
     def check(self, keys: Sequence[str | bytes], *, timeout: float | None = None) -> bool:
         """Whether every key exists (no waiting)."""
-        return all(self.exists(keys, timeout=timeout))
+        return all(self.exists(_key_list(keys, "check"), timeout=timeout))
 
     def exists(self, keys: Sequence[str | bytes], *, timeout: float | None = None) -> list[bool]:
+        keys = _key_list(keys, "exists")
         rep = self._call(w.S_CHECK, [self._k(k) for k in keys], (), timeout)
         return [v == b"1" for v in rep.values]
 
@@ -377,7 +423,18 @@ class StoreClient:
         self._call(w.S_PING, [], (), timeout)
 
     def close(self) -> None:
-        self._conn.close()
+        """Close the connection; a call waiting in another thread raises StoreError (never
+        blocks: that call closes it as it ends)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._lock.acquire(False):
+            try:
+                self._conn.close()
+            finally:
+                self._lock.release()
+        else:
+            self._conn.interrupt()
 
     def __enter__(self) -> StoreClient:
         return self

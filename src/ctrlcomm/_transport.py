@@ -429,9 +429,27 @@ class StoreConnection:
         self.sock.connect(self.addr)
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
+        # (interrupt(): another thread closing the client wakes a request waiting here)
+        self._bell_r, self._bell_w = os.pipe()
+        os.set_blocking(self._bell_w, False)
+        self._poller.register(self._bell_r, zmq.POLLIN)
+        self._bell_lock = threading.Lock()
+        self.rung = False
+
+    def interrupt(self) -> None:
+        """Wake the request waiting in another thread: it raises StoreError (closed)."""
+        with self._bell_lock:
+            if self._bell_w >= 0:
+                self.rung = True
+                try:
+                    os.write(self._bell_w, b"x")
+                except OSError:  # (full: rung already)
+                    pass
 
     def request(self, req: w.StoreRequest, deadline: float) -> w.StoreReply | None:
         """Send ``req`` and wait for its reply until ``deadline``; ``None`` on timeout."""
+        if self.rung:
+            raise StoreError(f"the store client of {self.addr} was closed")
         frames = [b"", *w.encode_store_request(req, self.key)]
         self.sock.send_multipart(frames, zmq.DONTWAIT)
         resend_at = time.monotonic() + STORE_RESEND_S
@@ -446,7 +464,13 @@ class StoreConnection:
                     pass
                 resend_at = now + STORE_RESEND_S
             wait = min(deadline, resend_at) - now
-            if not self._poller.poll(max(1, int(wait * 1000))):
+            ready = dict(self._poller.poll(min(max(1, int(wait * 1000)), MAX_POLL_MS)))
+            if not ready:
+                continue
+            if self.rung:
+                raise StoreError(f"the store client of {self.addr} was closed (by another "
+                                 "thread) while this request waited")
+            if self.sock not in ready:
                 continue
             got = self.sock.recv_multipart()  # (not into frames: a resend sends those)
             try:
@@ -461,7 +485,13 @@ class StoreConnection:
                 return rep
 
     def close(self) -> None:
-        self.sock.close(0)
+        with self._bell_lock:
+            if self._bell_w < 0:
+                return
+            self.sock.close(0)
+            os.close(self._bell_r)
+            os.close(self._bell_w)
+            self._bell_r = self._bell_w = -1
 
 
 _released: dict[tuple[str, int], float] = {}

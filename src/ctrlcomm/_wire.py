@@ -403,6 +403,9 @@ S_WAIT = 6  # keys=[k...]; waits for all to exist
 S_DELETE_PREFIX = 7  # keys=[prefix]
 S_CHECK = 8  # keys=[k...]; reply b"1"/b"0" each, no wait
 S_PING = 9
+STORE_OP_NAME = {S_SET: "set", S_GET: "get", S_ADD: "add", S_CAS: "compare_set",
+                 S_DELETE: "delete", S_WAIT: "wait", S_DELETE_PREFIX: "delete_prefix",
+                 S_CHECK: "check", S_PING: "ping"}
 STORE_OPS = frozenset(range(1, 10))
 
 # reply statuses

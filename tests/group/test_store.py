@@ -169,6 +169,124 @@ def test_a_value_that_is_not_str_or_bytes_is_refused_as_by_tcpstore(store):
     c.close()
 
 
+def test_a_str_where_keys_are_listed_is_refused_not_split_into_characters(store):
+    """(before: check("ready") looked for "r", "e", "a", "d", "y": False while "ready" was
+    set, True once it was deleted; wait("go") waited for "g" and "o")"""
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+    c.set("ready", "1")
+    for call in (lambda: c.check("ready"), lambda: c.wait("ready"),
+                 lambda: c.exists("ready"), lambda: c.multi_get("ready"),
+                 lambda: c.multi_delete("ready"), lambda: c.check(b"ready")):
+        with pytest.raises(TypeError, match="a list of keys.*'ready'"):
+            call()
+    assert c.check(["ready"]) and c.get("ready") == b"1"  # (nothing deleted)
+    c.close()
+
+
+def test_add_takes_an_int_only_as_tcpstores(store):
+    """(before: add("f", 1.5) added 1, add("s", "7") added 7, "abc" a bare ValueError)"""
+    import numpy as np
+
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+    for bad in (1.5, "7", "abc", None, b"1"):
+        with pytest.raises(TypeError, match=f"add of 'k': the amount must be an int.*"
+                                            f"{type(bad).__name__}"):
+            c.add("k", bad)
+    assert c.add("k", True) == 1 and c.add("k", np.int64(2)) == 3
+    c.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), "soon"])
+def test_bad_store_timeouts_are_invalid_arguments(store, bad):
+    """(before: -1 or 0 gave "store did not answer within 0.0 s (is it running?" from a
+    running store; NaN a bare ValueError)"""
+    from datetime import timedelta
+
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+    for call in (lambda: c.get("k", timeout=bad), lambda: c.set("k", "v", timeout=bad),
+                 lambda: c.wait(["k"], timeout=bad), lambda: c.set_timeout(bad),
+                 lambda: ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=bad)):
+        with pytest.raises(ctrlcomm.InvalidArgumentError, match="timeout"):
+            call()
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="timeout must be > 0"):
+        c.get("k", timeout=timedelta(seconds=-1))
+    c.set("k", "v", timeout=timedelta(seconds=2))
+    assert c.get("k", timeout=float("inf")) == b"v"
+    c.close()
+
+
+@pytest.mark.parametrize("port", ["x", 70000, 0, 2.5])
+def test_a_bad_store_port_is_an_invalid_argument(port):
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="port"):
+        ctrlcomm.StoreClient("127.0.0.1", port)
+
+
+def test_a_closed_store_client_says_so(store):
+    """(before: zmq's own "Socket operation on non-socket"; and close() from another thread
+    closed the socket under a waiting get)"""
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=30)
+    c.close()
+    c.close()
+    with pytest.raises(ctrlcomm.StoreError, match="client of 127.0.0.1:.* is closed"):
+        c.get("k")
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=30)
+    got = []
+
+    def waits():
+        try:
+            c.get("never")
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    t = threading.Thread(target=waits)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    c.close()  # (does not wait for the get)
+    assert time.monotonic() - t0 < 0.1
+    t.join(5)
+    assert not t.is_alive() and len(got) == 1, got
+    assert isinstance(got[0], ctrlcomm.StoreError) and "closed" in str(got[0]), got
+    with pytest.raises(ctrlcomm.StoreError, match="closed"):
+        c.set("k", "v")
+
+
+def test_a_store_timeout_names_the_store(store):
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port)
+    with pytest.raises(ctrlcomm.StoreTimeoutError, match=f"store at 127.0.0.1:{store.port}: "
+                                                         "get timed out.*never"):
+        c.get("never", timeout=0.2)
+    with pytest.raises(ctrlcomm.StoreTimeoutError, match=f"127.0.0.1:{store.port}: wait"):
+        c.wait(["never"], timeout=0.2)
+    c.close()
+
+
+def test_group_create_on_a_host_that_does_not_resolve_names_it():
+    """(before: a bare socket.gaierror naming no host, and on rank 0 "cannot bind store on
+    tcp://no.such.host.invalid:P: No such device")"""
+    for rank in (0, 1):
+        with pytest.raises(ctrlcomm.StoreError, match="host 'no.such.host.invalid' does not "
+                                                      "resolve"):
+            ctrlcomm.Group.create("no.such.host.invalid", free_port(), rank, 2, timeout=2)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="host must be"):
+        ctrlcomm.Group.create(None, free_port(), 0, 1)
+    with ctrlcomm.Group.create("[::1]", free_port(), 0, 1, timeout=5) as g:  # (as in a URL)
+        assert g.all_reduce(3) == 3
+
+
+def test_a_rank_whose_store_host_rank_0_never_came_gets_a_formation_timeout_naming_it():
+    """(before: a StoreTimeoutError only, "store did not answer": code that catches
+    FormationTimeoutError missed it)"""
+    t = time.monotonic()
+    with pytest.raises(ctrlcomm.FormationTimeoutError, match="which rank 0 hosts, answered "
+                                                             "nothing") as e:
+        ctrlcomm.Group.create("127.0.0.1", free_port(), 1, 2, timeout=1.0)
+    assert time.monotonic() - t < 2.5
+    assert e.value.missing == [0] and isinstance(e.value, ctrlcomm.StoreTimeoutError)
+    with pytest.raises(ctrlcomm.FormationTimeoutError, match="answered nothing .is it running"):
+        ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 2, host_store=False, timeout=0.5)
+
+
 def test_store_command_serves_groups():
     port = free_port()
     with subprocess.Popen([sys.executable, "-m", "ctrlcomm", "store", "--host", "127.0.0.1",
