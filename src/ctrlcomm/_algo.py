@@ -19,7 +19,16 @@ from collections.abc import Callable
 
 from . import _plans
 
-SMALL_WORLD = int(os.environ.get("CTRLCOMM_SMALL_WORLD", "8"))
+
+def _small_world() -> tuple[int, str]:
+    raw = os.environ.get("CTRLCOMM_SMALL_WORLD", "8")
+    try:
+        return int(raw), ""
+    except ValueError:
+        return 8, f"CTRLCOMM_SMALL_WORLD={raw!r} is not an int (8 is used)"
+
+
+SMALL_WORLD, _SMALL_WORLD_PROBLEM = _small_world()
 
 VARIANTS: dict[str, dict[str, Callable[..., _plans.Plan]]] = {
     "barrier": {"star": _plans.barrier_star, "dissemination": _plans.barrier},
@@ -34,16 +43,37 @@ VARIANTS: dict[str, dict[str, Callable[..., _plans.Plan]]] = {
 }
 
 
-def _overrides() -> dict[str, str]:
-    out = {}
+def _overrides() -> tuple[dict[str, str], list[str]]:
+    """CTRLCOMM_ALGO's choices, and what in it names no collective or algorithm (ignored)."""
+    out, problems = {}, []
     for item in os.environ.get("CTRLCOMM_ALGO", "").split(","):
-        if "=" in item:
-            k, v = item.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
+        if not item.strip():
+            continue
+        k, eq, v = (x.strip() for x in item.partition("="))
+        if not eq:
+            problems.append(f"{item.strip()!r} is not collective=algorithm")
+        elif k not in VARIANTS:
+            problems.append(f"{k!r} is not a collective ({', '.join(VARIANTS)})")
+        elif v not in VARIANTS[k]:
+            problems.append(f"{v!r} is not an algorithm of {k} ({', '.join(VARIANTS[k])})")
+        else:
+            out[k] = v
+    return out, problems
 
 
-OVERRIDES = _overrides()
+OVERRIDES, _PROBLEMS = _overrides()
+
+
+def setting_problems() -> list[str]:
+    """What in CTRLCOMM_ALGO and CTRLCOMM_SMALL_WORLD was ignored, and why."""
+    return [f"CTRLCOMM_ALGO: {p} (ignored)" for p in _PROBLEMS] + \
+        ([_SMALL_WORLD_PROBLEM] if _SMALL_WORLD_PROBLEM else [])
+
+
+if setting_problems():  # (a typo would silently run the default: say so, once)
+    import warnings
+
+    warnings.warn("; ".join(setting_problems()), RuntimeWarning, stacklevel=2)
 
 
 @functools.lru_cache(maxsize=256)

@@ -421,7 +421,7 @@ def missing(system: str) -> str | None:
         try:
             import numpy  # noqa: F401
         except ImportError:
-            return "numpy is not installed"
+            return "numpy is not installed (pip install numpy)"
     if system == "mpi":
         return mpi_missing()
     return None

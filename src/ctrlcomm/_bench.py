@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -435,15 +436,39 @@ def summarize(per_rank: list[Results]) -> dict[tuple[str, int], dict[str, Any]]:
     return out
 
 
+def fmt_us(us: float) -> str:
+    """A time given in microseconds, in us, ms or s: at most 8 characters."""
+    if us < 999.95:
+        return f"{us:.1f}us"
+    if us < 999_995:
+        return f"{us / 1e3:.2f}ms"
+    return f"{us / 1e6:.2f}s"
+
+
+def fmt_ratio(r: float) -> str:
+    """A ratio with two significant figures below 10 (0.02x, 0.64x, 4.3x), none after the
+    point above (12x, 179x)."""
+    if r >= 9.95:
+        return f"{r:.0f}x"
+    return f"{r:.2g}x" if r < 1 else f"{r:.1f}x"
+
+
+LEGEND = ("med, p99: per iteration the slowest rank's time, then the median and 99th "
+          "percentile over iterations; cpu: CPU time per op per rank; x: that system's "
+          "median over {base}'s (above 1: {base} is faster); n/a: not run (the system "
+          "has no such op: gloo no all_to_all of objects, star only all_reduce of a few "
+          "ints)")
+
+
 def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
-    """One line per (op, size, world size); one column group per system."""
+    """One line per (op, size, world size); one column group per system; a legend."""
     base = systems[0]
     head = f"{'op':<11}{'size':>6}{'N':>4}"
-    width = {s: max(16, len(s) + 5) for s in systems}  # (a long name widens its column)
+    width = {s: max(12, len(s) + 5) for s in systems}  # (a long name widens its column)
     for s in systems:
-        head += f" | {s + ' med':>{width[s]}}{'p99':>9}{'cpu':>8}"
+        head += f" | {s + ' med':>{width[s]}}{'p99':>10}{'cpu':>10}"
         if s != base:
-            head += f"{'x':>7}"
+            head += f"{'x':>8}"
     lines = [head, "-" * len(head)]
     index = {(r["system"], r["op"], r["size"], r["world_size"]): r for r in rows}
     keys = sorted({(r["op"], r["size"], r["world_size"]) for r in rows},
@@ -455,14 +480,16 @@ def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
         for s in systems:
             r = index.get((s, op, size, n))
             if r is None:
-                line += f" | {'n/a':>{width[s]}}{'':>9}{'':>8}" + \
-                    ("" if s == base else f"{'':>7}")
+                line += f" | {'n/a':>{width[s]}}{'':>10}{'':>10}" + \
+                    ("" if s == base else f"{'':>8}")
                 continue
-            line += (f" | {r['median_us']:>{width[s] - 2}.1f}us{r['p99_us']:>7.0f}us"
-                     f"{r['cpu_us']:>6.0f}us")
+            line += (f" | {fmt_us(r['median_us']):>{width[s]}}{fmt_us(r['p99_us']):>10}"
+                     f"{fmt_us(r['cpu_us']):>10}")
             if s != base:
-                line += f"{r['median_us'] / ref['median_us']:>6.1f}x" if ref else f"{'-':>7}"
+                line += f"{fmt_ratio(r['median_us'] / ref['median_us']):>8}" if ref \
+                    else f"{'-':>8}"
         lines.append(line)
+    lines.append(textwrap.fill(LEGEND.format(base=base), width=max(len(head), 60)))
     return "\n".join(lines)
 
 
@@ -655,9 +682,11 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
     group of their own. Rank 0 shows a progress bar on ``stream``.
     """
     from . import Group
+    from ._group import _store_host
     from ._transport import StoreServer
 
     check_cfg(cfg)
+    host = _store_host(host, port)  # (StoreError naming a host that does not resolve)
     if type(n) is not int or n < 1 or type(rank) is not int or not 0 <= rank < n:
         raise ValueError(f"rank {rank!r} of world size {n!r}: the world size must be >= 1 "
                          "and the rank in [0, world size)")
@@ -861,10 +890,43 @@ def record_host(cfg: dict[str, Any]) -> None:
 
     cfg.setdefault("python", sys.version.split()[0])
     cfg.setdefault("cpus", os.cpu_count())
+    cfg["versions"] = versions()
     cfg["host"] = {"kernel": f"{platform.system()} {platform.release()}", "cpu": _cpu_model(),
                    "env": {k: "(set)" if k == "CTRLCOMM_AUTH_KEY" else os.environ[k]
                            for k in CHOICE_ENV if os.environ.get(k)},
                    "sum_range_1000_us": [loop_us()]}
+
+
+def versions() -> dict[str, str]:
+    """The versions of what decides a run's figures: ctrlcomm (and its git commit where it
+    runs from a checkout), Python's ZeroMQ, and the baselines' libraries where installed."""
+    import importlib.metadata as md
+
+    from . import __version__
+
+    out = {"ctrlcomm": __version__}
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=5)
+        if commit.returncode == 0 and commit.stdout.strip():
+            dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", here],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            out["ctrlcomm_commit"] = commit.stdout.strip() + ("+changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for dist in ("pyzmq", "torch", "mpi4py", "mpich", "numpy", "msgpack"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        import zmq
+
+        out["libzmq"] = zmq.zmq_version()
+    except ImportError:
+        pass
+    return out
 
 
 def record_speed_after(cfg: dict[str, Any]) -> None:
@@ -892,7 +954,8 @@ def write_json(path: str, rows: list[dict[str, Any]], cfg: dict[str, Any],
                failed: Mapping[tuple[str, int], str] | None = None) -> None:
     # (python, cpus, when and host: a saved run's, shown again, are kept as they were)
     meta = {k: v for k, v in cfg.items()
-            if k in SETTINGS + ("world_sizes", "against", "python", "cpus", "when", "host")}
+            if k in SETTINGS + ("world_sizes", "against", "python", "cpus", "when", "host",
+                                "command", "versions", "multihost")}
     meta.setdefault("python", sys.version.split()[0])
     meta.setdefault("cpus", os.cpu_count())
     meta.setdefault("when", time.strftime("%Y-%m-%dT%H:%M:%S"))

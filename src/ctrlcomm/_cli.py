@@ -1,9 +1,10 @@
-"""Command line: ``ctrlcomm store`` and ``ctrlcomm bench``."""
+"""Command line: ctrlcomm store and ctrlcomm bench."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -134,7 +135,12 @@ def _writable(path: str) -> bool:
 
 def _bench(args: argparse.Namespace) -> int:
     from . import _bench as b
+    from ._algo import setting_problems
     from ._errors import CtrlcommError
+
+    if setting_problems() and not args.from_json:  # (a run would say it used them)
+        print("ctrlcomm bench: " + "; ".join(setting_problems()), file=sys.stderr)
+        return 2
 
     multihost = _multihost(args)
     if args.from_json:
@@ -150,6 +156,8 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = {"ops": [o.strip() for o in args.ops.split(",") if o.strip()], "sizes": args.sizes,
            "iters": args.iters, "warmup": args.warmup, "aio": args.aio,
            "transport": args.transport, "repeat": args.repeat}
+    if not args.from_json:  # (a saved run keeps its own)
+        cfg["command"] = shlex.join(["ctrlcomm", "bench", *getattr(args, "argv", [])])
     small = [z for z in dict.fromkeys(args.sizes) if z <= b.SMALL]
     if len(small) > 1 and not args.from_json:
         keep = 8 if 8 in small else small[0]  # (8: the size the reference runs show)
@@ -229,6 +237,8 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
         if args.rank == 0:  # (the rank that reports)
             b.record_host(cfg)
+            cfg["multihost"] = {"host": args.host, "port": args.port,
+                                "world_size": args.world_size}
         try:
             rows = b.run_multihost(args.host, args.port, args.rank, args.world_size, cfg)
         except ValueError as e:  # the ranks were started with different settings
@@ -254,12 +264,22 @@ def _bench(args: argparse.Namespace) -> int:
                 print(f"skipping {other}: {why}", file=sys.stderr)
             elif other not in systems:
                 systems.append(other)
+        star_runs = any(op == "all_reduce" and z <= b.SMALL
+                        for op, z in b.op_sizes(cfg["ops"], cfg["sizes"]))
         if args.against and "star" not in systems and "gloo" in systems \
-                and missing("star") is None:
+                and missing("star") is None and star_runs:
             systems.append("star")  # all_reduce against Megatron's original design too
+        if "star" in systems and not star_runs:  # (asked for by name)
+            print("skipping star: it runs only all_reduce of a few ints (a size up to "
+                  f"{b.SMALL} bytes), and these ops and sizes have none", file=sys.stderr)
+            systems.remove("star")
         cfg["world_sizes"] = list(dict.fromkeys(args.n or [2, 4]))
         if not _runnable(b, cfg, cfg["world_sizes"]):
             return 2
+        cpus = os.cpu_count() or 1
+        if max(cfg["world_sizes"]) > 8 * cpus:
+            print(f"note: {max(cfg['world_sizes'])} ranks on {cpus} CPUs: starting them alone "
+                  "takes a while, and the figures measure the CPUs' sharing", file=sys.stderr)
         cfg["against"] = systems[1 + bool(args.aio):]
         b.record_host(cfg)
         rows = b.run_local(cfg["world_sizes"], systems, cfg, failed=failed)
@@ -366,7 +386,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "with the same options)")
     bp.set_defaults(func=_bench_main)
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    args.argv = argv[1:]  # (after "bench": for the JSON's record of the command)
     return int(args.func(args))
 
 

@@ -54,6 +54,65 @@ def test_bench_local_with_aio_json_and_comparison(tmp_path):
     assert again.returncode == 0 and "barrier" in again.stdout
 
 
+def test_the_table_says_what_its_columns_are_and_keeps_them_apart():
+    """(before: no word on what "x" is; a ratio under 0.05 shown as 0.0x; past 6 digits of
+    us the figures ran together: "3796462.2us6002479us1918108us"; p99 with no decimal
+    beside a median with one, 17us beside 17.5us)"""
+    from ctrlcomm._bench import fmt_ratio, fmt_us, table
+
+    assert [fmt_us(v) for v in (17.5, 999.94, 999.96, 3796462.2, 6002479.0)] == \
+        ["17.5us", "999.9us", "1.00ms", "3.80s", "6.00s"]
+    assert [fmt_ratio(r) for r in (0.019, 0.64, 1.0, 4.25, 9.96, 179.3)] == \
+        ["0.019x", "0.64x", "1.0x", "4.2x", "10x", "179x"]
+    row = {"op": "broadcast", "size": 2**30, "world_size": 2}
+    rows = [dict(row, system="ctrlcomm", median_us=3796462.2, p99_us=6002479.0,
+                 cpu_us=1918108.0),
+            dict(row, system="mpi", median_us=60000.0, p99_us=70000.0, cpu_us=50000.0)]
+    text = table(rows, ["ctrlcomm", "mpi"])
+    line = next(ln for ln in text.splitlines() if ln.startswith("broadcast"))
+    assert line.split() == ["broadcast", "1G", "2", "|", "3.80s", "6.00s", "1.92s", "|",
+                            "60.00ms", "70.00ms", "50.00ms", "0.016x"], line
+    assert "x: that system's median over ctrlcomm's (above 1: ctrlcomm is faster)" in \
+        " ".join(text.split())
+
+
+def test_the_json_says_how_the_run_was_made(tmp_path):
+    """(before: no command line, no versions of ctrlcomm or of the baselines' libraries)"""
+    out = tmp_path / "r.json"
+    p = run("-n", "2", "--ops", "barrier", "--iters", "3", "--warmup", "0", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["command"] == f"ctrlcomm bench -n 2 --ops barrier --iters 3 --warmup 0 " \
+        f"--json {out}"
+    import zmq
+
+    import ctrlcomm
+
+    assert cfg["versions"]["ctrlcomm"] == ctrlcomm.__version__
+    assert cfg["versions"]["pyzmq"] == zmq.__version__ and "libzmq" in cfg["versions"]
+    again = tmp_path / "again.json"
+    assert run("--from-json", str(out), "--json", str(again)).returncode == 0
+    assert json.loads(again.read_text())["config"]["command"] == cfg["command"]
+
+
+def test_star_with_nothing_to_run_is_skipped_saying_why(tmp_path):
+    """(before: its ranks were started for nothing, and its column left out without a word)"""
+    p = run("-n", "2", "--ops", "barrier", "--iters", "3", "--warmup", "0", "--against",
+            "star")
+    assert p.returncode == 0, p.stderr
+    assert "skipping star: it runs only all_reduce of a few ints" in p.stderr, p.stderr
+    assert "star" not in p.stdout.splitlines()[0]
+
+
+def test_a_mistyped_algorithm_choice_is_refused_not_run_as_the_default():
+    """(before: CTRLCOMM_ALGO=all_reduce=dubling ran the default algorithm, and the run
+    recorded the setting as if it had been used)"""
+    p = run("-n", "2", "--ops", "all_reduce", "--iters", "3",
+            env={"CTRLCOMM_ALGO": "all_reduce=dubling"})
+    assert p.returncode == 2
+    assert "'dubling' is not an algorithm of all_reduce (flat, star, doubling)" in p.stderr
+
+
 def test_bench_rejects_unknown_ops_and_systems():
     assert run("--ops", "allreduce").returncode == 2
     assert run("--against", "nccl").returncode == 2
@@ -215,6 +274,9 @@ def test_bench_multihost_mode_one_process_per_rank(tmp_path):
     assert all(r["median_us"] > 0 for r in rows)
     # --repeat: the systems took turns twice, each turn's median beside the pooled one
     assert all(len(r["repeat_median_us"]) == 2 for r in rows)
+    cfg = json.loads(out.read_text())["config"]  # (before: like a local run's, no host)
+    assert cfg["multihost"] == {"host": "127.0.0.1", "port": int(common[3]), "world_size": 3}
+    assert cfg["command"].startswith("ctrlcomm bench --host 127.0.0.1")
     assert "12/12" in outs[2][1]  # rank 0's progress bar: 3 ops x 2 systems x 2 turns
     # each rank says at once that it waits for the others, where, and for how long (rank 0
     # alone with nobody coming waited 300 s in silence)
