@@ -1305,11 +1305,11 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
                 "for an earlier try of this rank, or for an earlier group of this name): "
                 "try again")
         time.sleep(0.05)
-    # (its key first: once every rank has acknowledged, rank 0 returns, and so may this
-    # rank; a next formation of this name, right after a close, must find it gone)
-    store.delete(keys[rank], timeout=left())
     if store.add(f"{FORMATION}acks/{lines[0]}", 1, timeout=left()) == size - 1:
         store.set(f"{FORMATION}done/{lines[0]}", "1", timeout=left())
+    # then its key (rank 0 leaves it: this rank's next formation of this name, right after a
+    # close, may have set it again by then; this one must find it gone)
+    store.delete(keys[rank], timeout=left())
     return lines[0], dict(enumerate(lines[1:]))
 
 
