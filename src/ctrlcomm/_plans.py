@@ -318,7 +318,10 @@ def all_gather_star(ctx: Ctx, obj: Any) -> Plan:
     n, r = ctx.size, ctx.rank
     if r:
         got = yield Step(STAR, ((0, obj),), (0,))
-        return got[0]
+        out = got[0]
+        if type(out) is list and len(out) == n:  # (else a failure sent in its place)
+            out[r] = obj  # its own slot: the object it passed, not the copy that came back
+        return out
     if n == 1:
         return [obj]
     got = yield Step(STAR, recvs=tuple(range(1, n)))
