@@ -47,6 +47,7 @@ from ._errors import (
     CodecError,
     CollectiveTimeoutError,
     ConcurrentUseError,
+    CtrlcommError,
     GroupBrokenError,
     GroupClosedError,
     MismatchError,
@@ -221,7 +222,9 @@ class Core:
         self.cause: BaseException | None = None
         self.active: tuple[str, int, int, int] | None = None  # (name, seq, opcode, root)
         self.waiting_for: list[int] = []
-        self.mismatch: MismatchError | None = None
+        # the error the call in progress raises at its next look (a mismatch, or a peer's
+        # abort of this call: see _fail_call)
+        self.mismatch: CtrlcommError | None = None
         # this rank's object the current collective could not send (sent in its place)
         self._send_failed: _ops.Failed | None = None
         # the step _express waits for: (senders not read yet, payloads read by sender, kind,
@@ -236,10 +239,11 @@ class Core:
         self._owner = ""
         self._holder = 0  # the thread that last took the lock
         self._blocking = False  # whether a blocking call (run_sync) is running
-        # what close() and abort() asked for while a call held the group ("close", "") or
-        # ("abort", reason): the sockets are used by the thread holding the group only, so
-        # that thread does it, woken at once (see _defer)
-        self._deferred: list[tuple[str, str]] = []
+        # what close() and abort() asked for while a call held the group ("close", "", 0) or
+        # ("abort", reason, seq: the call it concerns, w.ABORT_AT_CALL): the sockets are used
+        # by the thread holding the group only, so that thread does it, woken at once (see
+        # _defer)
+        self._deferred: list[tuple[str, str, int]] = []
         # the (seq, opcode, root) of recent calls, by seq % len: a message of a call that
         # returned here, from a rank that called something else, is a mismatch found late
         self._recent: list[tuple[int, int, int]] = [(-1, 0, 0)] * RECENT
@@ -420,8 +424,14 @@ class Core:
                                        f"rank {m.src}): {text}", ranks=lost))
             else:
                 self.gone[m.src] = f"aborted the group: {reason}"
-                self.brk(PeerLostError(f"group {self.name!r}: rank {m.src} aborted the group: "
-                                       f"{reason}", ranks=[m.src]))
+                aborted = PeerLostError(f"group {self.name!r}: rank {m.src} aborted the "
+                                        f"group: {reason}", ranks=[m.src])
+                self.brk(aborted)
+                a = self.active
+                if rnd == w.ABORT_AT_CALL and a is not None and a[1] >= seq:
+                    # about this call (or an earlier one): it fails here too, even where
+                    # the sender's part of it came before the word, as on the others
+                    self._fail_call(aborted)
         return m.src
 
     def _set_mismatch(self, m: w.Message) -> None:
@@ -456,10 +466,10 @@ class Core:
             mismatch=desc, op=name, seq=seq, group=self.name, waiting_for=missing,
             peer_states=states)
 
-    def _fail_call(self, e: MismatchError) -> None:
-        """The ranks are out of step: the collective in progress raises ``e`` at its next look,
-        even if its own messages are all in (read with what showed it). Whether it raises
-        must not depend on how the reads fell."""
+    def _fail_call(self, e: CtrlcommError) -> None:
+        """The ranks are out of step, or a peer gave up this call: the collective in progress
+        raises ``e`` at its next look, even if its own messages are all in (read with what
+        showed it). Whether it raises must not depend on how the reads fell."""
         a = self.active
         if a is not None and a[1] >= 0 and self.mismatch is None:
             self.mismatch = e
@@ -692,7 +702,7 @@ class Core:
         except GeneratorExit:
             why = f"{name} #{seq} on group {self.name!r} was cancelled on rank {self.rank}"
             if self.state == "open":  # the others may be waiting for its part: they are told
-                self._tell_peers(w.ABORT, why)
+                self._tell_peers(w.ABORT, why, seq, w.ABORT_AT_CALL)
             self.brk(GroupBrokenError(why))
             raise
         except BaseException as e:  # the ranks are out of step now
@@ -707,11 +717,11 @@ class Core:
             elif isinstance(e, CodecError) and self.state == "open":
                 # an object from a peer that cannot be decoded here: this rank's group
                 # breaks; the others, the sender too, are told (not left waiting for it)
-                self._tell_peers(w.ABORT, str(e))
+                self._tell_peers(w.ABORT, str(e), seq, w.ABORT_AT_CALL)
             elif isinstance(e, KeyboardInterrupt) and self.state == "open":
                 # (caught, the process goes on: the others are told, not left waiting)
                 why = f"{name} #{seq} on group {self.name!r} was interrupted on rank {self.rank}"
-                self._tell_peers(w.ABORT, why)
+                self._tell_peers(w.ABORT, why, seq, w.ABORT_AT_CALL)
                 self.brk(GroupBrokenError(why))  # (the cause: a KeyboardInterrupt says nothing)
             self.brk(e)
             raise
@@ -1263,11 +1273,11 @@ class Core:
             self.hb.close()
         self._defer("close", "")
 
-    def _defer(self, what: str, reason: str) -> None:
+    def _defer(self, what: str, reason: str, seq: int = 0) -> None:
         """Do what close() or abort() must do with the sockets: now if the group is idle,
         else in the thread (or task) whose call holds it, woken at once for it. (The state
         has changed already: a call that starts meanwhile raises.)"""
-        self._deferred.append((what, reason))
+        self._deferred.append((what, reason, seq))
         if self._lock.acquire(False):
             try:
                 self._run_deferred()
@@ -1300,11 +1310,11 @@ class Core:
     def _run_deferred(self) -> None:
         """(Holding the lock.)"""
         while self._deferred:
-            what, reason = self._deferred.pop(0)
+            what, reason, seq = self._deferred.pop(0)
             if self.ep.closed:
                 continue
             if what == "abort":
-                self._tell_peers(w.ABORT, reason)
+                self._tell_peers(w.ABORT, reason, seq, w.ABORT_AT_CALL)
             else:
                 # a group closed broken says why: a peer that waited for this rank learns
                 # the first cause (a third rank's abort, say, whose own word may come later)
@@ -1341,11 +1351,13 @@ class Core:
     def abort(self, reason: str) -> None:
         if self.state == "closed":
             return
+        a = self.active  # (the call it concerns: the one in progress, else the next)
+        seq = a[1] if a is not None else self.seq
         self.brk(GroupBrokenError(f"group {self.name!r} was aborted by rank {self.rank} "
                                   f"(this rank): {reason}"))
         if os.getpid() != self._pid:  # a forked child's copy: as in close(), not a word
             return
-        self._defer("abort", reason)
+        self._defer("abort", reason, seq)
 
 
 def run_sync(core: Core, gen: Wait) -> Any:

@@ -53,6 +53,11 @@ STATUS_RETURNED = 2
 # mismatch prefix) that its sender found by asking the ranks it waited for in collective #seq
 # (what they said they were in), not from a message
 ABORT_BY_PROBE = 1
+# An ABORT whose round is this concerns collective #seq (the one cancelled, interrupted or
+# failed on its sender, or the next one it would have made): a rank in that call, or a later
+# one, fails it even where its messages are all in; one in an earlier call completes that
+# (the sender's part of it is whole) and fails the next
+ABORT_AT_CALL = 2
 
 # codecs
 RAW = 0  # payload is bytes, used for control messages

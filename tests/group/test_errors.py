@@ -626,6 +626,56 @@ def test_an_interrupted_blocking_collective_ends_and_tells_the_others():
     assert res[1][0] == "broken" and "interrupted on rank 1" in res[1][1], res[1]
 
 
+def gives_up_a_call_the_others_enter_later(g, how, op):
+    """Rank 1 gives up its part of collective ``op`` after sending it (its awaited call
+    cancelled, or a watchdog thread's abort()); the others enter that call only then, its
+    part and the word that it gave up both waiting for them."""
+    import threading
+
+    args = () if op == "barrier" else (g.rank + 1,)
+    if g.rank == 1:
+        if how == "cancel":
+            async def main():
+                task = asyncio.ensure_future(getattr(g.aio, op)(*args, timeout=60))
+                await asyncio.sleep(0.3)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            asyncio.run(main())
+        else:
+            threading.Timer(0.3, g.abort, ("watchdog",)).start()
+            with pytest.raises(ctrlcomm.GroupBrokenError, match="watchdog"):
+                getattr(g, op)(*args, timeout=60)
+        g.store.set("test/gave-up", "1")
+        out = "gave up"
+    else:
+        g.store.wait(["test/gave-up"], timeout=30)
+        time.sleep(0.2)  # (the word is on its way: sent before the key was set)
+        try:
+            out = ("returned", getattr(g, op)(*args, timeout=60))
+        except ctrlcomm.PeerLostError as e:
+            out = ("raised", e.ranks)
+    g.store.set(f"test/done/{g.rank}", "1")
+    g.store.wait([f"test/done/{r}" for r in range(g.world_size)], timeout=50)
+    return out
+
+
+@pytest.mark.parametrize(("n", "algo"), [(2, ""), (3, "all_reduce=flat,all_gather=flat")])
+@pytest.mark.parametrize("how", ["cancel", "abort"])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "barrier"])
+def test_a_call_a_rank_gave_up_after_sending_its_part_fails_on_every_rank(
+        monkeypatch, n, algo, how, op):
+    """As the README says: the others raise PeerLostError naming that rank, in that call.
+    (Before: where its part had come before the word, they completed the call (world 2),
+    or some did and some raised (the flat plans at world 3), and raised in the next.)"""
+    if algo:
+        monkeypatch.setenv("CTRLCOMM_ALGO", algo)
+    res = run_group(gives_up_a_call_the_others_enter_later, n, how, op, timeout=60)
+    assert res[1] == "gave up"
+    for r in (0, *range(2, n)):
+        assert res[r] == ("raised", [1]), (r, res)
+
+
 def two_threads(g):
     if g.rank == 1:
         time.sleep(0.5)
