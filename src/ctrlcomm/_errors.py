@@ -180,7 +180,8 @@ class FormationStoreTimeoutError(FormationTimeoutError, StoreTimeoutError):
     default, did not come, or is gone; or a store run elsewhere is not running): caught as
     either."""
 
-    def __init__(self, message: str, *, missing: Sequence[int] = ()) -> None:
-        FormationTimeoutError.__init__(self, message, missing=missing)
+    def __init__(self, message: str, *, missing: Sequence[int] = (),
+                 gave_up: Sequence[int] = ()) -> None:
+        FormationTimeoutError.__init__(self, message, missing=missing, gave_up=gave_up)
         self.answered = False
 

@@ -98,7 +98,10 @@ def _env_liveness(raw: str | None) -> float | None:
         return 5.0
     if raw.strip().lower() in ("none", "off"):
         return None
-    v = _seconds(raw)
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
     if not v > 0:
         log.warning("CTRLCOMM_LIVENESS_TIMEOUT=%r is not a number of seconds > 0 or 'none': "
                     "the default of 5 s applies", raw)
@@ -741,8 +744,17 @@ class Group:
             me = " ".join(filter(None, (address, str(hb.port), local,
                                         "curve:" + curve.decode() if curve else "", proc, alike,
                                         "join:" + os.urandom(6).hex())))
-            nonce, table = _rendezvous(store, me, rank, world_size, name, deadline,
-                                       rank0_hosts=rank0_hosts)
+            dropped = server.dropped if server is not None else 0
+            try:
+                nonce, table = _rendezvous(store, me, rank, world_size, name, deadline,
+                                           rank0_hosts=rank0_hosts)
+            except FormationTimeoutError as e:
+                if server is not None and server.dropped > dropped and e.args:
+                    # what a rank with another auth_key (or none) sent: it waits, unanswered
+                    e.args = (f"{e.args[0]} (the store here dropped "
+                              f"{server.dropped - dropped} requests it could not authenticate "
+                              "meanwhile: is a rank created with another auth_key, or none?)",)
+                raise
             fields = {r: line.split(" ") for r, line in table.items()}
             peers = {r: f[0] for r, f in fields.items()}
 
@@ -825,8 +837,15 @@ class Group:
         if "CTRLCOMM_NAME" in env:
             kwargs.setdefault("name", env["CTRLCOMM_NAME"])
         if "CTRLCOMM_TIMEOUT" in env and "timeout" not in kwargs:
-            kwargs["timeout"] = _timeout_arg(env["CTRLCOMM_TIMEOUT"],
-                                             "Group.from_env: CTRLCOMM_TIMEOUT")
+            raw = env["CTRLCOMM_TIMEOUT"]
+            try:
+                secs = float(raw)
+            except ValueError:
+                secs = float("nan")
+            if not secs > 0:
+                raise InvalidArgumentError(f"Group.from_env: CTRLCOMM_TIMEOUT must be a number "
+                                           f"of seconds > 0, got {show(raw)}")
+            kwargs["timeout"] = secs
         if not env.get("CTRLCOMM_PORT") and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             return _through_agent_store(cls, host, vals["CTRLCOMM_PORT"], vals["CTRLCOMM_RANK"],
                                         vals["CTRLCOMM_WORLD_SIZE"], kwargs)
@@ -1133,19 +1152,27 @@ def _differ(name: str, mine: str, records: dict[int, str]) -> str:
             + "; " + "; ".join(parts))
 
 
-def _silent_store(store: StoreClient, name: str, rank: int, rank0_hosts: bool
-                  ) -> FormationStoreTimeoutError:
-    """The error of a formation whose store answered nothing by the deadline."""
+def _silent_store(store: StoreClient, name: str, rank: int, rank0_hosts: bool,
+                  rank0_joined: bool = False) -> FormationStoreTimeoutError:
+    """The error of a formation whose store answered nothing by the deadline
+    (``rank0_joined``: this rank had read rank 0's key)."""
     where = f"the store at {store.host}:{store.port}"
+    keyed = store.keyed
+    key = (" (or it runs with another auth_key than this rank's: a store answers nothing "
+           "it cannot authenticate)") if keyed else \
+        " (or it runs with an auth_key, and this rank has none: it answers nothing unsigned)"
+    head = f"group {name!r} not formed within the timeout on rank {rank}: {where}"
+    if rank0_hosts and rank0_joined:
+        return FormationStoreTimeoutError(
+            f"{head}, which rank 0 hosts, answered nothing: rank 0, which had joined, is gone "
+            "(it gave up at its own deadline, or exited), its store with it; which other "
+            "ranks did not join is not known", gave_up=[0])
     if rank0_hosts:
         return FormationStoreTimeoutError(
-            f"group {name!r} not formed within the timeout on rank {rank}: {where}, which "
-            "rank 0 hosts, answered nothing: rank 0 did not come, or is gone (is it alive, "
-            "and created with this host and port?)", missing=[0])
+            f"{head}, which rank 0 hosts, answered nothing: rank 0 did not come, or is gone "
+            f"(is it alive, and created with this host and port?){key}", missing=[0])
     return FormationStoreTimeoutError(
-        f"group {name!r} not formed within the timeout on rank {rank}: {where} answered "
-        "nothing (is it running, at this address? One run with an auth_key answers nothing "
-        "unsigned)")
+        f"{head} answered nothing (is it running, at this address?){key}")
 
 
 def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: str,
@@ -1285,7 +1312,8 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
             text = store.get(f"{FORMATION}table", timeout=left()).decode()
         except StoreTimeoutError as e:
             if not e.answered:
-                raise _silent_store(store, name, rank, rank0_hosts) from None
+                raise _silent_store(store, name, rank, rank0_hosts, rank0_joined=True) \
+                    from None
             missing, gave_up = _missing_ranks(store, range(size), ASK_S)
             why = _not_joined(missing, gave_up) or \
                 "rank 0 published no address table (is rank 0 alive, and its store?)"

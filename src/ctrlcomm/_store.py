@@ -196,7 +196,11 @@ def _b(x: str | bytes) -> bytes:
 
 
 def _secs(timeout: Any) -> float:
-    """Seconds, from a number or a timedelta (torch's store methods take either)."""
+    """Seconds, from a number or a timedelta (torch's store methods take either; not from
+    a str, which float() would read)."""
+    if isinstance(timeout, (str, bytes)):
+        raise InvalidArgumentError(f"store: timeout {timeout!r} is not a number of seconds "
+                                   "or a timedelta")
     if hasattr(timeout, "total_seconds"):
         return float(timeout.total_seconds())
     try:
@@ -271,6 +275,11 @@ class StoreClient:
 
     def __repr__(self) -> str:
         return f"StoreClient({self.host!r}, {self.port}, prefix={self.prefix!r})"
+
+    @property
+    def keyed(self) -> bool:
+        """Whether this client signs its requests (an auth_key)."""
+        return bool(self._conn.key)
 
     def _k(self, key: str | bytes) -> bytes:
         return _b(self.prefix) + _b(key)

@@ -853,7 +853,7 @@ def store_host_dies(rank, size, port):
     try:
         ctrlcomm.Group.create("127.0.0.1", port, 1, 3, timeout=3.0)
     except ctrlcomm.FormationTimeoutError as e:
-        return str(e), time.monotonic() - t
+        return str(e), time.monotonic() - t, e.missing, e.gave_up
     return "formed"
 
 
@@ -862,8 +862,11 @@ def test_a_rank_whose_store_died_says_so_within_its_bound():
     for a store that answers nothing. (Before: 2 s over, from asking a dead store why after
     waiting out its reply slack; and the message blamed rank 0's table.)"""
     res = run_ranks(store_host_dies, 2, free_port(), may_die=(0,), timeout=60)
-    text, took = res[1]
-    assert "which rank 0 hosts, answered nothing: rank 0 did not come, or is gone" in text, text
+    text, took, missing, gave_up = res[1]
+    # (it had read rank 0's key: rank 0 joined, then went, with its store)
+    assert "which rank 0 hosts, answered nothing: rank 0, which had joined, is gone" in text, \
+        text
+    assert (missing, gave_up) == ([], [0])
     assert took < 3.0 + 1.5 + 0.4, took
 
 
@@ -895,6 +898,37 @@ def test_a_group_created_again_at_once_after_close_forms():
     deleted the formation's keys; creating the group again at once, it found its own key:
     "rank 1 already joined", and the others timed out.)"""
     assert run_ranks(recreates_at_once, 3, free_port(), timeout=90) == [["formed"] * 3] * 3
+
+
+def created_with_key(rank, size, port, keys):
+    try:
+        ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=2.0, auth_key=keys[rank])
+    except ctrlcomm.FormationTimeoutError as e:
+        return str(e)
+    return "formed"
+
+
+@pytest.mark.parametrize("keys", [(b"k0", b"k1"), (b"k0", None)], ids=["other", "none"])
+def test_ranks_created_with_different_auth_keys_are_told_it_may_be_that(keys):
+    """The README: a key that differs makes the store silent, and the error says so.
+    (Before: rank 0 said rank 1 did not join; rank 1, that rank 0 did not come.)"""
+    r0, r1 = run_ranks(created_with_key, 2, free_port(), keys, timeout=60)
+    assert "ranks [1] did not join (the store here dropped" in r0 and \
+        "is a rank created with another auth_key, or none?" in r0, r0
+    assert ("another auth_key than this rank's" if keys[1] else
+            "runs with an auth_key, and this rank has none") in r1, r1
+
+
+def test_a_timeout_given_as_a_str_is_refused():
+    """(before: barrier(timeout="5") and a store get(timeout="5") took it as 5 s)"""
+    with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, timeout=5) as g:
+        with pytest.raises(ctrlcomm.InvalidArgumentError, match="timeout"):
+            g.barrier(timeout="5")
+        with pytest.raises(ctrlcomm.InvalidArgumentError, match="timeout"):
+            g.store.get("k", timeout="5")
+        g.barrier(timeout=5)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="timeout"):
+        ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, timeout="5")
 
 
 def created_otherwise(rank, size, port, settings, timeout):
