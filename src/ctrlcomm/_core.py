@@ -50,6 +50,7 @@ from ._errors import (
     CtrlcommError,
     GroupBrokenError,
     GroupClosedError,
+    InvalidArgumentError,
     MismatchError,
     MismatchTimeoutError,
     PeerLostError,
@@ -205,6 +206,8 @@ class Core:
         self.held: dict[int, int] = dict.fromkeys(range(size), 0)
         self.paused: set[int] = set()
         self.p2p: dict[tuple[int, int], deque[w.Message]] = {}
+        # what this rank sent itself, per tag: encoded (a copy, as a peer gets), in order
+        self.to_self: dict[int, deque[tuple[Any, tuple[Any, ...]]]] = {}
         self.p2p_in: dict[int, int] = {}  # next point-to-point number expected per sender
         self.p2p_out: dict[int, int] = {}  # next number to send per destination
         # what a peer answered it was doing, in words, and this rank's self.seq then (an
@@ -1209,6 +1212,32 @@ class Core:
                 f"{name} on group {self.name!r}: " + "; ".join(
                     f"rank {d} {self.gone[d] if d in self.gone else self.suspects[d][1]}"
                     for d in lost), ranks=lost)
+
+    def send_self(self, obj: Any, tag: int, what: str) -> None:
+        """A send to this rank itself (as MPI allows): ``obj`` encoded, for :meth:`recv_self`;
+        ``what`` names the call in errors."""
+        self.check_open()
+        try:
+            payload, bufs = w.dumps(obj, self.codec)
+        except CodecError as e:
+            raise CodecError(f"{what} on rank {self.rank}: {e}") from None
+        # (a buffer passed out of band is the sender's own memory: copied, as a send to a
+        # peer is by the time it returns; writable where it was, as a peer receives it)
+        bufs = tuple(b if type(b) is bytes else bytes(b) if memoryview(b).readonly
+                     else bytearray(b) for b in bufs)
+        self.to_self.setdefault(tag, deque()).append((payload, bufs))
+
+    def recv_self(self, tag: int, what: str) -> Any:
+        """The next object this rank sent itself with ``tag``; InvalidArgumentError where there
+        is none (nothing else could send it: the receive would wait for ever)."""
+        self.check_open()
+        q = self.to_self.get(tag)
+        if not q:
+            raise InvalidArgumentError(f"{what} on rank {self.rank}: this rank sent itself "
+                                       "nothing (nothing else can: the receive would wait for "
+                                       "ever)")
+        payload, bufs = q.popleft()
+        return w.loads(payload, bufs, self.codec, self._unpickle)
 
     def recv(self, src: int, tag: int, timeout: float | None, what: str = "") -> Wait:
         """The next message of ``src`` with ``tag``; ``what`` names the call in errors."""

@@ -73,16 +73,6 @@ def _rank_arg(core: Core, value: Any, what: str, op: str) -> int:
     return r
 
 
-def _peer_arg(core: Core, value: Any, what: str, op: str) -> int:
-    """A rank other than this one (point to point)."""
-    if type(value) is int and 0 <= value < core.size and value != core.rank:  # the usual
-        return value
-    r = _rank_arg(core, value, what, op)
-    if r == core.rank:
-        raise InvalidArgumentError(f"{op} on rank {core.rank}: {what} is this rank")
-    return r
-
-
 def _seconds(value: Any) -> float:
     """``value`` in seconds, as the store's methods take it (a number, or a timedelta, as
     torch.distributed's timeouts are); NaN where it is none (NaN fails every ``> 0`` check)."""
@@ -946,14 +936,20 @@ class Group:
         that does not keep up): then it waits, up to ``timeout``, for the queue to drain.
         """
         c = self._core
-        run_sync(c, c.send(obj, _peer_arg(c, dst, "dst", "send"), _tag_arg(c, tag, "send"),
-                           _timeout_arg(timeout, "send")))
+        dst, tag = _rank_arg(c, dst, "dst", "send"), _tag_arg(c, tag, "send")
+        if dst == c.rank:  # (as MPI: for its own recv)
+            _timeout_arg(timeout, "send")
+            return c.send_self(obj, tag, f"send(dst={dst}, tag={tag})")
+        run_sync(c, c.send(obj, dst, tag, _timeout_arg(timeout, "send")))
 
     def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         """The next object ``src`` sent to this rank with ``tag``."""
         c = self._core
-        return run_sync(c, c.recv(_peer_arg(c, src, "src", "recv"), _tag_arg(c, tag, "recv"),
-                                  _timeout_arg(timeout, "recv")))
+        src, tag = _rank_arg(c, src, "src", "recv"), _tag_arg(c, tag, "recv")
+        if src == c.rank:  # (what it sent itself; none: an error, not a wait for ever)
+            _timeout_arg(timeout, "recv")
+            return c.recv_self(tag, f"recv(src={src}, tag={tag})")
+        return run_sync(c, c.recv(src, tag, _timeout_arg(timeout, "recv")))
 
     # -------------------------------------------------------------------- lifecycle
 
@@ -1074,13 +1070,19 @@ class AioGroup:
     async def send(self, obj: Any, dst: int, tag: int = 0, *,
                    timeout: float | None = None) -> None:
         c = self._core
-        await run_async(c, c.send(obj, _peer_arg(c, dst, "dst", "send"),
-                                  _tag_arg(c, tag, "send"), _timeout_arg(timeout, "send")))
+        dst, tag = _rank_arg(c, dst, "dst", "send"), _tag_arg(c, tag, "send")
+        if dst == c.rank:
+            _timeout_arg(timeout, "send")
+            return c.send_self(obj, tag, f"send(dst={dst}, tag={tag})")
+        await run_async(c, c.send(obj, dst, tag, _timeout_arg(timeout, "send")))
 
     async def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         c = self._core
-        return await run_async(c, c.recv(_peer_arg(c, src, "src", "recv"),
-                                         _tag_arg(c, tag, "recv"), _timeout_arg(timeout, "recv")))
+        src, tag = _rank_arg(c, src, "src", "recv"), _tag_arg(c, tag, "recv")
+        if src == c.rank:
+            _timeout_arg(timeout, "recv")
+            return c.recv_self(tag, f"recv(src={src}, tag={tag})")
+        return await run_async(c, c.recv(src, tag, _timeout_arg(timeout, "recv")))
 
 
 # ---------------------------------------------------------------------------- rendezvous

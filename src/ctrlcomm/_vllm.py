@@ -10,14 +10,12 @@ wait has a deadline, and a dead peer is an error naming it.
 from __future__ import annotations
 
 import os
-import pickle
 import socket as _socket
-from collections import deque
 from typing import Any
 
 from . import _plans
 from ._core import run_sync
-from ._errors import CodecError, InvalidArgumentError, show
+from ._errors import InvalidArgumentError, show
 from ._group import Group, _rank_arg, close_when_dropped
 from ._store import StoreClient, _secs
 from ._transport import StoreServer
@@ -90,9 +88,6 @@ class StatelessProcessGroup:
         # (its group closes itself when collected unclosed; the store served from
         # listen_socket likewise, with the group: `pg.group` may outlive this wrapper)
         self._finalizer = None if server is None else close_when_dropped(group, server.close)
-        # what this rank sent itself, pickled (a copy, as the original's store keeps): per
-        # kind, objects and tensors
-        self._to_self: dict[int, deque[bytes]] = {}
 
     @staticmethod
     def create(host: str, port: int, rank: int, world_size: int,
@@ -153,22 +148,10 @@ class StatelessProcessGroup:
         return self._group
 
     def _send_self(self, obj: Any, kind: int) -> None:
-        self._group._core.check_open()
-        try:
-            data = pickle.dumps(obj, protocol=5)
-        except Exception as e:
-            raise CodecError(f"send to rank {self.rank} (itself): cannot pickle "
-                             f"{type(obj).__name__}: {e}") from None
-        self._to_self.setdefault(kind, deque()).append(data)
+        self._group._core.send_self(obj, _TAGS[kind], f"send to rank {self.rank} (itself)")
 
     def _recv_self(self, kind: int, op: str) -> Any:
-        self._group._core.check_open()
-        q = self._to_self.get(kind)
-        if not q:
-            raise InvalidArgumentError(
-                f"{op}(src={self.rank}) on rank {self.rank}: this rank sent itself nothing "
-                "(nothing else can: the receive would wait for ever)")
-        return pickle.loads(q.popleft())
+        return self._group._core.recv_self(_TAGS[kind], f"{op}(src={self.rank})")
 
     def broadcast_obj(self, obj: Any | None, src: int) -> Any:
         """``src``'s object, on every rank (the source gets its own object back).
