@@ -23,9 +23,12 @@ from . import _plans
 def _small_world() -> tuple[int, str]:
     raw = os.environ.get("CTRLCOMM_SMALL_WORLD", "8")
     try:
-        return int(raw), ""
+        n = int(raw)
     except ValueError:
-        return 8, f"CTRLCOMM_SMALL_WORLD={raw!r} is not an int (8 is used)"
+        n = 0
+    if n < 1:
+        return 8, f"CTRLCOMM_SMALL_WORLD={raw!r} is not an int >= 1 (8 is used)"
+    return n, ""
 
 
 SMALL_WORLD, _SMALL_WORLD_PROBLEM = _small_world()

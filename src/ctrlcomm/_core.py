@@ -208,6 +208,7 @@ class Core:
         self.p2p: dict[tuple[int, int], deque[w.Message]] = {}
         # what this rank sent itself, per tag: encoded (a copy, as a peer gets), in order
         self.to_self: dict[int, deque[tuple[Any, tuple[Any, ...]]]] = {}
+        self._failed_seq = -1  # the last collective that raised here (see _run_deferred)
         self.p2p_in: dict[int, int] = {}  # next point-to-point number expected per sender
         self.p2p_out: dict[int, int] = {}  # next number to send per destination
         # what a peer answered it was doing, in words, and this rank's self.seq then (an
@@ -242,11 +243,10 @@ class Core:
         self._owner = ""
         self._holder = 0  # the thread that last took the lock
         self._blocking = False  # whether a blocking call (run_sync) is running
-        # what close() and abort() asked for while a call held the group ("close", "", 0) or
-        # ("abort", reason, seq: the call it concerns, w.ABORT_AT_CALL): the sockets are used
-        # by the thread holding the group only, so that thread does it, woken at once (see
-        # _defer)
-        self._deferred: list[tuple[str, str, int]] = []
+        # what close() and abort() asked for while a call held the group ("close", "") or
+        # ("abort", reason): the sockets are used by the thread holding the group only, so
+        # that thread does it, woken at once (see _defer)
+        self._deferred: list[tuple[str, str]] = []
         # the (seq, opcode, root) of recent calls, by seq % len: a message of a call that
         # returned here, from a rank that called something else, is a mismatch found late
         self._recent: list[tuple[int, int, int]] = [(-1, 0, 0)] * RECENT
@@ -703,12 +703,14 @@ class Core:
             self.last = (name, seq)
             return result
         except GeneratorExit:
+            self._failed_seq = seq
             why = f"{name} #{seq} on group {self.name!r} was cancelled on rank {self.rank}"
             if self.state == "open":  # the others may be waiting for its part: they are told
                 self._tell_peers(w.ABORT, why, seq, w.ABORT_AT_CALL)
             self.brk(GroupBrokenError(why))
             raise
         except BaseException as e:  # the ranks are out of step now
+            self._failed_seq = seq
             if isinstance(e, PeerLostError) and self.state == "open" and e.ranks \
                     and not all(self.gone.get(r, "").startswith("is gone (reported") for r in e.ranks):
                 # tell the others which ranks are gone: they may be waiting on this rank
@@ -1302,11 +1304,11 @@ class Core:
             self.hb.close()
         self._defer("close", "")
 
-    def _defer(self, what: str, reason: str, seq: int = 0) -> None:
+    def _defer(self, what: str, reason: str) -> None:
         """Do what close() or abort() must do with the sockets: now if the group is idle,
         else in the thread (or task) whose call holds it, woken at once for it. (The state
         has changed already: a call that starts meanwhile raises.)"""
-        self._deferred.append((what, reason, seq))
+        self._deferred.append((what, reason))
         if self._lock.acquire(False):
             try:
                 self._run_deferred()
@@ -1339,10 +1341,23 @@ class Core:
     def _run_deferred(self) -> None:
         """(Holding the lock.)"""
         while self._deferred:
-            what, reason, seq = self._deferred.pop(0)
+            what, reason = self._deferred.pop(0)
             if self.ep.closed:
                 continue
             if what == "abort":
+                # the call it concerns, chosen here, by the thread that holds the group
+                # (another thread's abort() cannot know whether the call in progress will
+                # complete): a collective in progress, which fails here too; else the last
+                # one, where it failed here; else the next
+                a = self.active
+                if a is not None and a[1] >= 0:
+                    seq = a[1]
+                    c = self.cause
+                    self._fail_call(c if isinstance(c, CtrlcommError) else GroupBrokenError(reason))
+                elif self._failed_seq == self.seq - 1 >= 0:
+                    seq = self._failed_seq
+                else:
+                    seq = self.seq
                 self._tell_peers(w.ABORT, reason, seq, w.ABORT_AT_CALL)
             else:
                 # a group closed broken says why: a peer that waited for this rank learns
@@ -1380,13 +1395,11 @@ class Core:
     def abort(self, reason: str) -> None:
         if self.state == "closed":
             return
-        a = self.active  # (the call it concerns: the one in progress, else the next)
-        seq = a[1] if a is not None else self.seq
         self.brk(GroupBrokenError(f"group {self.name!r} was aborted by rank {self.rank} "
                                   f"(this rank): {reason}"))
         if os.getpid() != self._pid:  # a forked child's copy: as in close(), not a word
             return
-        self._defer("abort", reason, seq)
+        self._defer("abort", reason)
 
 
 def run_sync(core: Core, gen: Wait) -> Any:

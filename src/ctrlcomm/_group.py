@@ -372,8 +372,10 @@ async def _run_async(core: Core, call: Call, timeout: float | None) -> Any:
 # ------------------------------------------------------------------------ store hosting
 
 # The groups from_env formed through torchrun's agent store, per name, in this process: the
-# ranks form them in the same order, so the n-th of a name finds the n-th store address
-_agent_tries: dict[str, int] = {}
+# ranks form them in the same order, so the n-th of a name finds the n-th store address.
+# Counted once formed: a try again after a failure (rank 0's: on a new port) publishes its
+# address under the same number, where a rank coming late finds it.
+_agent_formed: dict[str, int] = {}
 
 
 def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size: int,
@@ -395,8 +397,7 @@ def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size
             "Group.from_env under torchrun: its agent's store holds MASTER_PORT, and reaching "
             "it needs torch; set CTRLCOMM_PORT to a free port") from None
     deadline = time.monotonic() + t
-    n = _agent_tries.get(name, 0)
-    _agent_tries[name] = n + 1
+    n = _agent_formed.get(name, 0)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     key = f"ctrlcomm/attempt_{restart}/{name}/{n}/store"
     try:
@@ -427,7 +428,9 @@ def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size
             store_port = int(p)
     finally:
         del agent
-    return cls.create(store_host, store_port, rank, size, **kwargs, _deadline=deadline)
+    g = cls.create(store_host, store_port, rank, size, **kwargs, _deadline=deadline)
+    _agent_formed[name] = n + 1
+    return g
 
 _servers: dict[tuple[str, int], list[Any]] = {}  # (host, port) -> [server, refcount]
 _servers_lock = threading.Lock()
@@ -1092,19 +1095,30 @@ def _host_of(endpoint: str) -> str:
     return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
 
 
-def _missing_ranks(store: StoreClient, ranks: Sequence[int], budget: float
+def _missing_ranks(store: StoreClient, ranks: Sequence[int], budget: float, token: str
                    ) -> tuple[list[int], list[int]]:
-    """Of ``ranks``, those whose key is absent: (never joined, joined and gave up: their
-    mark, :data:`GAVE_UP`); ([], []) when the store cannot tell within ``budget`` s."""
+    """Of ``ranks``, those whose key is absent: (never joined, joined and gave up in this
+    try: their mark, :data:`GAVE_UP`, holds ``token``, rank 0's of this try); ([], []) when
+    the store cannot tell within ``budget`` s."""
+    end = time.monotonic() + budget
+    n = len(ranks)
     try:
         have = store.exists([f"{FORMATION}rank/{r}" for r in ranks]
                             + [f"{GAVE_UP}{r}" for r in ranks], timeout=budget)
-    except StoreError:
+        absent = [i for i in range(n) if not have[i]]
+        marked = [i for i in absent if have[n + i]] if token else []
+        marks = store.multi_get([f"{GAVE_UP}{ranks[i]}" for i in marked], wait=False,
+                                timeout=max(end - time.monotonic(), 0.001)) if marked else []
+    except (StoreError, KeyError):  # (KeyError: a mark deleted meanwhile)
         return [], []
-    n = len(ranks)
-    absent = [i for i in range(n) if not have[i]]
-    return [ranks[i] for i in absent if not have[n + i]], \
-        [ranks[i] for i in absent if have[n + i]]
+    gave = {ranks[i] for i, v in zip(marked, marks, strict=True) if v.decode(errors="replace")
+            == token}
+    return [ranks[i] for i in absent if ranks[i] not in gave], sorted(gave)
+
+
+def _token(address: str) -> str:
+    """The "join:" field of an address line: its try's own ("" from a release without)."""
+    return next((f for f in address.split(" ") if f.startswith("join:")), "")
 
 
 def _not_joined(missing: list[int], gave_up: list[int]) -> str:
@@ -1123,8 +1137,9 @@ ASK_S = 0.5  # how long a formation that timed out asks the store why
 # is formed): apart from the keys the ranks set through the group's store client (Group.store)
 FORMATION = "ctrlcomm:formation/"
 # The mark a rank leaves where it withdraws its key (_withdraw), so that the others, timing out
-# at their own deadlines moments later, name it as gone, not as never come. Rank 0 clears
-# the marks of earlier tries as it joins: those of a try it was in, only, count.
+# at their own deadlines moments later, name it as gone, not as never come. It holds the token
+# of rank 0's address line it knew: only a mark of the try a rank is in counts (one of an
+# earlier try of this name, never deleted where that try failed, does not).
 GAVE_UP = f"{FORMATION}gave-up/"
 
 
@@ -1206,24 +1221,27 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
             "use another name or a fresh store)")
     # what _join did that a failure must undo, or keep: "table" (rank 0 published an
     # address table), "differ" (the ranks' settings differ: the keys stay, see _withdraw)
-    done: set[str] = set()
+    # (and "rank0": the token of rank 0's address line, once known)
+    done: dict[str, str] = {"rank0": _token(address)} if rank == 0 else {}
     try:
         return _join(store, address, rank, size, name, deadline, done, rank0_hosts)
     except BaseException:
         if "differ" not in done:
-            _withdraw(store, rank, "table" in done)
+            _withdraw(store, rank, "table" in done, done.get("rank0", ""))
         raise
 
 
-def _withdraw(store: StoreClient, rank: int, table: bool) -> None:
+def _withdraw(store: StoreClient, rank: int, table: bool, token: str) -> None:
     """After a failed formation, best effort, briefly: delete this rank's key and (rank 0,
     ``table``) the address table it published. A key left behind made the next try of
     this rank fail at once ("already joined"), or a rank 0 coming later pair it with the
     address of the process that gave up. (Not where the ranks' settings differ: rank 0
     names the ranks created otherwise from their keys, and a table that says so is for
-    the others to read; a try again needs the settings changed, or another name.)"""
+    the others to read; a try again needs the settings changed, or another name.) It
+    leaves its mark (:data:`GAVE_UP`), with ``token``, rank 0's, where it knew it."""
     try:  # (the mark first: a rank asking in between finds one or the other)
-        store.set(f"{GAVE_UP}{rank}", "1", timeout=ASK_S)
+        if token:
+            store.set(f"{GAVE_UP}{rank}", token, timeout=ASK_S)
         store.delete(f"{FORMATION}rank/{rank}", timeout=ASK_S)
         if table:
             store.delete(f"{FORMATION}table", timeout=ASK_S)
@@ -1232,7 +1250,7 @@ def _withdraw(store: StoreClient, rank: int, table: bool) -> None:
 
 
 def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
-          deadline: float, done: set[str], rank0_hosts: bool = True
+          deadline: float, done: dict[str, str], rank0_hosts: bool = True
           ) -> tuple[str, dict[int, str]]:
     """:func:`_rendezvous` once this rank's key is set; ``done``: see there."""
 
@@ -1242,12 +1260,11 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
     keys = [f"{FORMATION}rank/{r}" for r in range(size)]
     if rank == 0:
         try:
-            store.delete_prefix(GAVE_UP, timeout=left())  # (of earlier tries: see GAVE_UP)
             store.wait(keys, timeout=left())
         except StoreTimeoutError as e:
             # (a store that answered nothing is not asked again: it would take as long)
-            missing, gave_up = _missing_ranks(store, range(size), ASK_S) if e.answered \
-                else ([], [])
+            missing, gave_up = _missing_ranks(store, range(size), ASK_S, done["rank0"]) \
+                if e.answered else ([], [])
             joined = [k for r, k in enumerate(keys)
                       if r not in missing and r not in gave_up and r != 0] if e.answered else []
             differ = ""
@@ -1259,7 +1276,7 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
                 except (StoreError, KeyError):
                     pass
             if differ:
-                done.add("differ")  # (rank 0's key stays: a rank coming later compares)
+                done["differ"] = ""  # (rank 0's key stays: a rank coming later compares)
             raise FormationTimeoutError(
                 f"group {name!r} not formed within the timeout: "
                 + (_not_joined(missing, gave_up) or "the store could not tell which ranks "
@@ -1268,11 +1285,11 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         addrs = [a.decode() for a in store.multi_get(keys, timeout=left())]
         differ = _differ(name, address, dict(enumerate(addrs)))
         if differ:
-            done.add("differ")
+            done["differ"] = ""
             store.set(f"{FORMATION}table", "!" + differ, timeout=left())
             raise FormationError(differ)
         nonce = os.urandom(8).hex()
-        done.add("table")
+        done["table"] = ""
         store.set(f"{FORMATION}table", "\n".join([nonce, *addrs]), timeout=left())
         if size > 1:
             try:
@@ -1286,7 +1303,8 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         # the group at once, one may be in the next formation of this name already (a
         # prefix deleted would take its key). Each other rank deleted its own key.
         store.multi_delete([keys[0], f"{FORMATION}table", f"{FORMATION}acks/{nonce}",
-                            f"{FORMATION}done/{nonce}"], timeout=left())
+                            f"{FORMATION}done/{nonce}", *(f"{GAVE_UP}{r}" for r in range(size))],
+                           timeout=left())
         return nonce, dict(enumerate(addrs))
     # rank 0's settings, as soon as it has joined: a rank created otherwise says so at once
     # (rank 0, waiting for ranks that never come, says it at its deadline)
@@ -1295,19 +1313,15 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
     except StoreTimeoutError as e:
         if not e.answered:
             raise _silent_store(store, name, rank, rank0_hosts) from None
-        _, gave_up = _missing_ranks(store, [0], ASK_S)
-        if gave_up:
-            raise FormationTimeoutError(
-                f"group {name!r} not formed within the timeout on rank {rank}: "
-                + _not_joined([], gave_up), gave_up=gave_up) from None
         raise FormationTimeoutError(
             f"group {name!r} not formed within the timeout on rank {rank}: rank 0 did not "
             "join (is rank 0 alive, and its store? If they are, the group was perhaps formed "
             f"already without this process: with another process of rank {rank}, or before "
             "this one came; a formed group leaves no trace in the store)", missing=[0]) from None
+    done["rank0"] = _token(first)
     differ = _differ(name, first, {rank: address})
     if differ:
-        done.add("differ")
+        done["differ"] = ""
         raise FormationError(differ)
     while True:
         try:
@@ -1316,14 +1330,14 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
             if not e.answered:
                 raise _silent_store(store, name, rank, rank0_hosts, rank0_joined=True) \
                     from None
-            missing, gave_up = _missing_ranks(store, range(size), ASK_S)
+            missing, gave_up = _missing_ranks(store, range(size), ASK_S, done["rank0"])
             why = _not_joined(missing, gave_up) or \
                 "rank 0 published no address table (is rank 0 alive, and its store?)"
             raise FormationTimeoutError(
                 f"group {name!r} not formed within the timeout on rank {rank}: {why}",
                 missing=missing, gave_up=gave_up) from None
         if text.startswith("!"):  # rank 0 found the ranks' settings differ
-            done.add("differ")
+            done["differ"] = ""
             raise FormationError(text[1:])
         lines = text.split("\n")
         if len(lines) == size + 1 and lines[1 + rank] == address:  # else: a stale table
@@ -1338,8 +1352,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
     if store.add(f"{FORMATION}acks/{lines[0]}", 1, timeout=left()) == size - 1:
         store.set(f"{FORMATION}done/{lines[0]}", "1", timeout=left())
     # then its key (rank 0 leaves it: this rank's next formation of this name, right after a
-    # close, may have set it again by then; this one must find it gone)
-    store.delete(keys[rank], timeout=left())
+    # close, may have set it again by then; this one must find it gone). Best effort: the
+    # group is formed (rank 0, and its store, may be gone already)
+    try:
+        store.delete(keys[rank], timeout=min(left(), ASK_S))
+    except StoreError:
+        pass
     return lines[0], dict(enumerate(lines[1:]))
 
 

@@ -270,8 +270,12 @@ class StoreClient:
         self.encrypt = encrypt
         self._conn = StoreConnection(host, int(port), key or None, encrypt)
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._closed = False
+        self._lock = threading.Lock()  # (held by the call in progress)
+        # _closed and _busy (a call is in progress), changed together under _state: close()
+        # closes the connection itself where no call is in progress, else wakes the call,
+        # which closes it as it ends
+        self._state = threading.Lock()
+        self._closed = self._busy = False
 
     def __repr__(self) -> str:
         return f"StoreClient({self.host!r}, {self.port}, prefix={self.prefix!r})"
@@ -290,13 +294,18 @@ class StoreClient:
         # (a wait beyond the wire's limit, decades, would be dropped as malformed)
         wait = min(wait, w.STORE_MAX_WAIT_S / 2)
         with self._lock:
-            if self._closed:
-                raise StoreError(f"the store client of {self.host}:{self.port} is closed")
+            with self._state:
+                if self._closed:
+                    raise StoreError(f"the store client of {self.host}:{self.port} is closed")
+                self._busy = True
             req = w.StoreRequest(op, next(self._ids) & 0xFFFFFFFF, wait, tuple(keys), tuple(values))
             try:
                 rep = self._conn.request(req, deadline=time.monotonic() + t)
             finally:
-                if self._closed:  # by another thread, while this request waited: it woke it
+                with self._state:
+                    self._busy = False
+                    closed = self._closed
+                if closed:  # by another thread, while this request waited: it woke it
                     self._conn.close()
         if rep is None:
             hint = (" (with encryption on, a store that runs without it, or with another "
@@ -434,16 +443,15 @@ class StoreClient:
     def close(self) -> None:
         """Close the connection; a call waiting in another thread raises StoreError (never
         blocks: that call closes it as it ends)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._lock.acquire(False):
-            try:
-                self._conn.close()
-            finally:
-                self._lock.release()
-        else:
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            busy = self._busy
+        if busy:
             self._conn.interrupt()
+        else:
+            self._conn.close()
 
     def __enter__(self) -> StoreClient:
         return self

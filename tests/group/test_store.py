@@ -251,6 +251,40 @@ def test_a_closed_store_client_says_so(store):
         c.set("k", "v")
 
 
+def test_a_close_from_another_thread_as_a_call_ends_closes_the_connection(store):
+    """The call's end and the close meet (a thread switch between the call's last look at
+    the client and its release of the client's lock, widened here to 0.2 s). (Before: the
+    close only woke the call, which had looked already: the socket and the wake-up pipe
+    stayed open for good.)"""
+    class SlowRelease:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def acquire(self, blocking=True, timeout=-1):
+            return self.lock.acquire(blocking, timeout)
+
+        def release(self):
+            time.sleep(0.2)
+            self.lock.release()
+
+        def __enter__(self):
+            self.lock.acquire()
+            return self
+
+        def __exit__(self, *exc):
+            self.release()
+
+    for _ in range(3):
+        c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+        c._lock = SlowRelease()
+        t = threading.Thread(target=c.ping)
+        t.start()
+        time.sleep(0.1)
+        c.close()
+        t.join(5)
+        assert c._conn._bell_w < 0, "the connection was left open"
+
+
 def test_a_store_timeout_names_the_store(store):
     c = ctrlcomm.StoreClient("127.0.0.1", store.port)
     with pytest.raises(ctrlcomm.StoreTimeoutError, match=f"store at 127.0.0.1:{store.port}: "
