@@ -327,7 +327,7 @@ def bad_arguments_leave_the_group_working(g):
         # takes part with the failure in their place, and every rank raises it
         lambda: g.scatter([1] * (n + 1) if r == 0 else None, src=0),
         lambda: g.all_to_all([1] if r == 1 else [r] * n),
-        lambda: g.send(1, dst=r),
+        lambda: g.send(1, dst=n),  # (dst=r is a send to itself, as MPI allows)
         lambda: g.recv(src=n + 3),
         lambda: g.barrier(timeout=0),
         lambda: g.all_reduce(1, timeout=-1),
