@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -242,7 +243,6 @@ class Core:
         self._lock = threading.Lock()
         self._owner = ""
         self._holder = 0  # the thread that last took the lock
-        self._blocking = False  # whether a blocking call (run_sync) is running
         # what close() and abort() asked for while a call held the group ("close", "") or
         # ("abort", reason): the sockets are used by the thread holding the group only, so
         # that thread does it, woken at once (see _defer)
@@ -723,9 +723,13 @@ class Core:
                 # an object from a peer that cannot be decoded here: this rank's group
                 # breaks; the others, the sender too, are told (not left waiting for it)
                 self._tell_peers(w.ABORT, str(e), seq, w.ABORT_AT_CALL)
-            elif isinstance(e, KeyboardInterrupt) and self.state == "open":
-                # (caught, the process goes on: the others are told, not left waiting)
+            elif not isinstance(e, CtrlcommError) and self.state == "open":
+                # Ctrl-C, or anything else that ended the call midway (a SystemExit or an
+                # error raised by a signal handler as it waited...): caught, the process
+                # goes on; the others are told, not left waiting for its part
                 why = f"{name} #{seq} on group {self.name!r} was interrupted on rank {self.rank}"
+                if not isinstance(e, KeyboardInterrupt):
+                    why += f" ({type(e).__name__}: {e})"[:BYE_TEXT]
                 self._tell_peers(w.ABORT, why, seq, w.ABORT_AT_CALL)
                 self.brk(GroupBrokenError(why))  # (the cause: a KeyboardInterrupt says nothing)
             self.brk(e)
@@ -1304,6 +1308,20 @@ class Core:
             self.hb.close()
         self._defer("close", "")
 
+    def _in_blocking_call(self) -> bool:
+        """Whether this thread is inside a blocking call (:func:`run_sync`) on this group: a
+        signal handler or a reduction callable running under it. (Read off the stack, only
+        here, where close() or abort() finds the group held by this thread: a flag set per
+        call would cost every call, and one a call refused as the group is busy set and
+        cleared wiped the holder's.)"""
+        f: Any = sys._getframe(1)
+        code = run_sync.__code__
+        while f is not None:
+            if f.f_code is code and f.f_locals.get("core") is self:
+                return True
+            f = f.f_back
+        return False
+
     def _defer(self, what: str, reason: str) -> None:
         """Do what close() or abort() must do with the sockets: now if the group is idle,
         else in the thread (or task) whose call holds it, woken at once for it. (The state
@@ -1314,7 +1332,7 @@ class Core:
                 self._run_deferred()
             finally:
                 self._unlock()
-        elif self._holder == _get_ident() and not self._blocking:
+        elif self._holder == _get_ident() and not self._in_blocking_call():
             # held by an awaited call suspended in this thread's event loop (which may never
             # run again): no other thread uses the sockets: do it now; the call, if it
             # resumes, finds the group closed or broken. (Not so when a blocking call of
@@ -1404,7 +1422,6 @@ class Core:
 
 def run_sync(core: Core, gen: Wait) -> Any:
     """Blocking driver: run ``gen`` in this thread, sleeping in ``zmq_poll`` when it waits."""
-    core._blocking = True
     try:
         delay = next(gen)
         while True:
@@ -1418,8 +1435,6 @@ def run_sync(core: Core, gen: Wait) -> Any:
             delay = gen.send(None)
     except StopIteration as e:
         return e.value
-    finally:
-        core._blocking = False
 
 
 async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:

@@ -38,7 +38,7 @@ from ._errors import (
     StoreTimeoutError,
     show,
 )
-from ._store import StoreClient, _secs
+from ._store import StoreClient, _secs, port_arg
 from ._transport import (
     Heartbeat,
     StoreServer,
@@ -665,12 +665,7 @@ class Group:
             raise InvalidArgumentError(f"unknown transport {transport!r}; use 'tcp' or 'zmq'")
         if codec not in CODECS:
             raise InvalidArgumentError(f"unknown codec {codec!r}; use one of {sorted(CODECS)}")
-        try:
-            port = operator.index(port)
-        except TypeError:
-            raise InvalidArgumentError(f"port must be an int, got {show(port)}") from None
-        if not 0 < port < 65536:
-            raise InvalidArgumentError(f"port must be in 1..65535, got {port}")
+        port = port_arg(port)
         if auth_key is None:
             auth_key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
@@ -1030,7 +1025,9 @@ class AioGroup:
     """
 
     def __init__(self, group: Group) -> None:
-        self._group = group
+        # (the core only: a reference back to the group would make a cycle, and a group
+        # dropped without close() would wait for the cycle collector, not go with its last
+        # reference, as vLLM's group does)
         self._core = group._core
 
     @property

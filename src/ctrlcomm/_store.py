@@ -223,6 +223,17 @@ def _timeout(timeout: Any, op: str) -> float:
     return min(t, MAX_TIMEOUT_S)
 
 
+def port_arg(port: Any, what: str = "port") -> int:
+    """``port``, checked: an int in 1..65535 (InvalidArgumentError naming ``what``)."""
+    try:
+        port = operator.index(port)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an int, got {show(port)}") from None
+    if not 0 < port < 65536:
+        raise InvalidArgumentError(f"{what} must be in 1..65535, got {port}")
+    return int(port)
+
+
 def _key_list(keys: Any, op: str) -> Sequence[str | bytes]:
     """``keys``, a list of keys (one str would be taken as its characters), as TCPStore."""
     if isinstance(keys, (str, bytes, bytearray, memoryview)):
@@ -256,13 +267,7 @@ class StoreClient:
                  auth_key: bytes | str | None = None, encrypt: bool = False) -> None:
         from ._transport import StoreConnection
 
-        try:
-            port = operator.index(port)
-        except TypeError:
-            raise InvalidArgumentError(f"store: port must be an int, got {show(port)}") from None
-        if not 0 < port < 65536:
-            raise InvalidArgumentError(f"store: port must be in 1..65535, got {port}")
-        self.host, self.port, self.prefix = host, port, prefix
+        self.host, self.port, self.prefix = host, port_arg(port, "store: port"), prefix
         self.timeout = _timeout(timeout, "client")
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
         if encrypt and not key:

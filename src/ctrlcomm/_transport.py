@@ -1595,9 +1595,13 @@ class TcpEndpoint:
             self.ep.close()
             self.bell.close()
             return
-        if self._waiter is not None and not self._waiter.done():
+        fut = self._waiter
+        if fut is not None and not fut.done():
+            # a call waiting in another task (or in this thread's loop, under a signal
+            # handler) looks again: woken through its loop's own wake-up, which a plain
+            # set_result is not (the loop slept on in its selector until its next timer)
             try:
-                self._waiter.set_result(None)  # a call waiting in another task looks again
+                fut.get_loop().call_soon_threadsafe(_wake_waiter, fut)
             except RuntimeError:  # its loop is closed (the task will never run again)
                 pass
         handed = self._unwatch(closing=True)  # (the loop's thread closes the epoll then)
@@ -1620,6 +1624,11 @@ class TcpEndpoint:
             # messages (for at most LINGER_MS), as ZeroMQ's context termination does
             threading.Thread(target=_linger, args=(left,), daemon=False,
                              name="ctrlcomm-linger").start()
+
+
+def _wake_waiter(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _unix_listener() -> tuple[socket.socket, str] | None:

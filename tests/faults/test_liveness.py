@@ -16,7 +16,7 @@ import pytest
 
 import ctrlcomm
 from ctrlcomm import _wire as w
-from ctrlcomm.testing import run_ranks
+from ctrlcomm.testing import run_group, run_ranks
 
 
 def _group(rank, size, port, **kw):
@@ -877,3 +877,111 @@ def test_a_rank_bound_to_every_interface_tells_its_peers_a_reachable_address(sto
     for got, peers in run_ranks(bound_everywhere, 2, store.port):
         assert got == [0, 1]
         assert all(a.startswith("tcp://127.0.0.1:") for a in peers.values()), peers
+
+
+# ------------------------------------------------ signal handlers and threads (helper-46)
+
+
+def closed_by_a_signal_handler(g, refused_first, awaited):
+    """Rank 0 waits in a recv (blocking or awaited); a SIGALRM handler closes the group at
+    0.5 s. ``refused_first``: another thread's barrier was refused (ConcurrentUseError)
+    before. Rank 1 stays until rank 0 is done."""
+    if g.rank == 1:
+        g.store.wait(["test/done"], timeout=30)
+        return None
+    signal.signal(signal.SIGALRM, lambda *a: g.close())
+    if refused_first:
+        def other():
+            time.sleep(0.2)
+            try:
+                g.barrier()
+            except ctrlcomm.ConcurrentUseError:
+                pass
+        threading.Thread(target=other).start()
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    t = time.monotonic()
+    try:
+        if awaited:
+            asyncio.run(g.aio.recv(1, timeout=10))
+        else:
+            g.recv(1, timeout=10)
+    except BaseException as e:  # noqa: BLE001
+        out = type(e).__name__, time.monotonic() - t
+    ctrlcomm.StoreClient("127.0.0.1", g.store.port, prefix=g.store.prefix).set("test/done", "1")
+    return out
+
+
+@pytest.mark.parametrize(("refused_first", "awaited"), [(True, False), (False, True)],
+                         ids=["blocking-after-a-refused-call", "awaited"])
+def test_a_close_from_a_signal_handler_ends_the_waiting_call_at_once(refused_first, awaited):
+    """(Before: after another thread's call was refused, the refusal had cleared the flag
+    saying a blocking call holds the group: the handler closed the sockets under its poll,
+    which raised OSError (bad file descriptor). Awaited: the waiting task was woken with a
+    plain set_result, which does not wake the loop's selector: it slept until its timer,
+    3.5 s later.)"""
+    kind, took = run_group(closed_by_a_signal_handler, 2, refused_first, awaited,
+                           timeout=60)[0]
+    assert kind == "GroupClosedError" and took < 2.5, (kind, took)
+
+
+class _Alarm(Exception):
+    pass
+
+
+def interrupted_by_other_than_ctrl_c(g, kind):
+    """Rank 0's all_reduce is interrupted by ``kind`` raised from a signal handler (the
+    signal.alarm timeout idiom, a SIGTERM handler's sys.exit); it goes on, without closing,
+    until rank 1 is done. Rank 1 comes to that all_reduce after it, with a 20 s deadline."""
+    if g.rank == 1:
+        time.sleep(1.5)  # (rank 0 waits in the call meanwhile, its part sent)
+        t = time.monotonic()
+        try:
+            g.all_reduce(1, timeout=20)
+            out = "returned"
+        except ctrlcomm.PeerLostError as e:
+            out = (str(e), time.monotonic() - t)
+        g.store.set("test/done", "1")
+        return out
+
+    def alarm(*a):
+        raise {"exit": SystemExit, "user": _Alarm}[kind]("alarm")
+
+    signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        g.all_reduce(1, timeout=30)
+    except (SystemExit, _Alarm):
+        pass
+    g.store.wait(["test/done"], timeout=40)
+    return g.broken
+
+
+@pytest.mark.parametrize("kind", ["exit", "user"])
+def test_a_collective_ended_by_another_exception_than_ctrl_c_tells_the_others(kind):
+    """(Before: only Ctrl-C told them; a SystemExit or an error from a signal handler broke
+    the group here only, and the others waited out their deadlines.)"""
+    broken, (text, took) = run_group(interrupted_by_other_than_ctrl_c, 2, kind, timeout=60)
+    assert broken
+    name = {"exit": "SystemExit", "user": "_Alarm"}[kind]
+    assert f"interrupted on rank 0 ({name}: alarm)" in text and took < 10, (text, took)
+
+
+def test_a_group_dropped_without_close_goes_with_its_last_reference():
+    """(Before: its asyncio view held it back in a cycle: it waited for the cycle
+    collector, its heartbeats going on and its peers not told, for as long as that took.)"""
+    import gc
+    import weakref
+
+    from ctrlcomm.testing import free_port
+
+    gc.disable()
+    try:
+        g = ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, timeout=10)
+        view = g.aio
+        ref = weakref.ref(g)
+        del g
+        assert ref() is None
+        with pytest.raises(ctrlcomm.GroupClosedError):
+            asyncio.run(view.barrier())
+    finally:
+        gc.enable()

@@ -933,22 +933,14 @@ def test_a_mark_of_a_rank_that_gave_up_in_an_earlier_try_does_not_count():
     rank 1 did not join this try."""
     srv = ctrlcomm.StoreServer("127.0.0.1", 0)
     try:
-        res = run_ranks(joins_with_own_store, 2, srv.port, {0: 2.0, 1: 0.5}, timeout=60)
+        res = run_ranks(gives_up_first, 2, srv.port, {0: 2.0, 1: 0.5}, {0: 0, 1: 0},
+                        timeout=60)
         assert res[0][1:] == ([2], [1]), res
         with pytest.raises(ctrlcomm.FormationTimeoutError) as e:
             ctrlcomm.Group.create("127.0.0.1", srv.port, 0, 3, host_store=False, timeout=0.5)
         assert e.value.missing == [1, 2] and e.value.gave_up == [], str(e.value)
     finally:
         srv.close()
-
-
-def joins_with_own_store(rank, size, port, timeouts):
-    try:
-        ctrlcomm.Group.create("127.0.0.1", port, rank, 3, host_store=False,
-                              timeout=timeouts[rank])
-    except ctrlcomm.FormationTimeoutError as e:
-        return str(e), e.missing, e.gave_up
-    return "formed"
 
 
 def store_host_dies(rank, size, port):

@@ -355,7 +355,12 @@ def spg_dropped_unclosed(rank, size, port):
     deadline = time.monotonic() + 20
     while core.state != "closed" and time.monotonic() < deadline:
         time.sleep(0.05)
-    beats = [t.name for t in threading.enumerate() if t.name.startswith("ctrlcomm-heartbeat")]
+    while True:  # (the heartbeat thread ends on its own, moments after the close)
+        beats = [t.name for t in threading.enumerate()
+                 if t.name.startswith("ctrlcomm-heartbeat")]
+        if not beats or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     free = False
     while not free and time.monotonic() < deadline:  # (after the store's keep-alive)
         with socket.socket() as s:
