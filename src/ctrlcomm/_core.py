@@ -1308,16 +1308,18 @@ class Core:
             self.hb.close()
         self._defer("close", "")
 
-    def _in_blocking_call(self) -> bool:
-        """Whether this thread is inside a blocking call (:func:`run_sync`) on this group: a
-        signal handler or a reduction callable running under it. (Read off the stack, only
-        here, where close() or abort() finds the group held by this thread: a flag set per
-        call would cost every call, and one a call refused as the group is busy set and
-        cleared wiped the holder's.)"""
+    def _in_call(self) -> bool:
+        """Whether this thread is inside a call on this group that is running (blocking,
+        :func:`run_sync`, or awaited and not suspended, :func:`run_async`): a signal handler
+        or a reduction callable under it. That call does what close() or abort() asks at
+        its next look; a suspended awaited call is not on the stack, and it is done now.
+        (Read off the stack, only here, where close() or abort() finds the group held by
+        this thread: a flag set per call would cost every call, and one a call refused as
+        the group is busy set and cleared wiped the holder's.)"""
         f: Any = sys._getframe(1)
-        code = run_sync.__code__
+        codes = (run_sync.__code__, run_async.__code__)
         while f is not None:
-            if f.f_code is code and f.f_locals.get("core") is self:
+            if f.f_code in codes and f.f_locals.get("core") is self:
                 return True
             f = f.f_back
         return False
@@ -1332,7 +1334,7 @@ class Core:
                 self._run_deferred()
             finally:
                 self._unlock()
-        elif self._holder == _get_ident() and not self._in_blocking_call():
+        elif self._holder == _get_ident() and not self._in_call():
             # held by an awaited call suspended in this thread's event loop (which may never
             # run again): no other thread uses the sockets: do it now; the call, if it
             # resumes, finds the group closed or broken. (Not so when a blocking call of

@@ -412,25 +412,61 @@ def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size
             srv = StoreServer(local_address_for(host, port), 0,
                               auth_key=auth_key, encrypt=bool(kwargs.get("encrypt", False)))
             srv.pid = os.getpid()  # type: ignore[attr-defined]
-            store_host, store_port = srv.host, srv.port
+            address = f"{srv.host} {srv.port}"
             with _servers_lock:  # (create takes it up; closed if unused: _release_server)
-                _servers[(store_host, store_port)] = [srv, 1]
-            _release_server(store_host, store_port)
-            agent.set(key, f"{store_host} {store_port}")
+                _servers[(srv.host, srv.port)] = [srv, 1]
+            _release_server(srv.host, srv.port)
+            agent.set(key, address)
         else:
-            try:
-                store_host, _, p = agent.get(key).decode().rpartition(" ")
-            except Exception:  # (torch's DistStoreError: a timeout, or the agent gone)
+            found = _published(agent, key, _agent_tried.get((name, n)), deadline)
+            if found is None:
                 raise FormationTimeoutError(
                     f"group {name!r} not formed within the timeout on rank {rank}: rank 0 did "
                     f"not publish its store's address in torchrun's agent store at "
-                    f"{host}:{port} (is rank 0 alive?)", missing=[0]) from None
-            store_port = int(p)
+                    f"{host}:{port} (is rank 0 alive?)", missing=[0])
+            address = found
+        store_host, _, p = address.rpartition(" ")
+        try:
+            g = cls.create(store_host, int(p), rank, size, **kwargs, _deadline=deadline)
+        except BaseException:
+            # a try again must not find this try's address: rank 0 takes it back; the
+            # others remember it, and wait for another
+            if rank == 0:
+                try:
+                    agent.delete_key(key)
+                except Exception:  # noqa: BLE001  (best effort: the agent may be gone)
+                    pass
+            else:
+                _agent_tried[(name, n)] = address
+            raise
     finally:
         del agent
-    g = cls.create(store_host, store_port, rank, size, **kwargs, _deadline=deadline)
     _agent_formed[name] = n + 1
     return g
+
+
+# (name, number) -> the address a failed try of this process read there (see above)
+_agent_tried: dict[tuple[str, int], str] = {}
+
+
+def _published(agent: Any, key: str, tried: str | None, deadline: float) -> str | None:
+    """The store address rank 0 published at ``key`` in the agent's store, other than
+    ``tried``: waited for until ``deadline``; None if none came."""
+    from datetime import timedelta
+
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            agent.set_timeout(timedelta(seconds=left))
+            address = agent.get(key).decode()
+        except Exception:  # (torch's DistStoreError: a timeout, or the agent gone)
+            return None
+        if address != tried:
+            return str(address)
+        time.sleep(0.05)
+
 
 _servers: dict[tuple[str, int], list[Any]] = {}  # (host, port) -> [server, refcount]
 _servers_lock = threading.Lock()
@@ -574,7 +610,7 @@ class Group:
         self.store = store
         self._server = server
         self._server_key = server_key
-        self.aio = AioGroup(self)
+        self._aio: weakref.ref[AioGroup] | None = None
         # a group dropped without close() (vLLM's StatelessProcessGroup has none) is closed
         # once collected: its heartbeat thread, sockets and store port are not kept for ever
         self._finalizer = close_when_dropped(self, _close_parts, core, store, server_key)
@@ -843,6 +879,17 @@ class Group:
     # -------------------------------------------------------------------- properties
 
     @property
+    def aio(self) -> AioGroup:
+        """The asyncio view: the same calls, awaited. It keeps the group (code may keep the
+        view only); the group keeps it by a weak reference (no cycle: a group dropped
+        without close() goes with its last reference, its view's included)."""
+        view = self._aio() if self._aio is not None else None
+        if view is None:
+            view = AioGroup(self)
+            self._aio = weakref.ref(view)
+        return view
+
+    @property
     def rank(self) -> int:
         return self._core.rank
 
@@ -1025,9 +1072,7 @@ class AioGroup:
     """
 
     def __init__(self, group: Group) -> None:
-        # (the core only: a reference back to the group would make a cycle, and a group
-        # dropped without close() would wait for the cycle collector, not go with its last
-        # reference, as vLLM's group does)
+        self._group = group  # (kept alive by its view: see Group.aio)
         self._core = group._core
 
     @property

@@ -52,8 +52,11 @@ def dumps(obj: Any) -> bytes:
     m = _msgpack()
     try:
         return m.packb(obj, default=_default, use_bin_type=True, strict_types=True)  # type: ignore[no-any-return]
-    except (TypeError, ValueError, OverflowError) as e:
-        raise CodecError(f"codec 'msgpack' cannot encode {type(obj).__name__}: {e}") from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+        # (RecursionError: tuples nested past Python's limit, which the tuple extension
+        # encodes by recursion; raised bare, it left the call before anything was sent)
+        raise CodecError(f"codec 'msgpack' cannot encode {type(obj).__name__}: "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def loads(data: Any) -> Any:

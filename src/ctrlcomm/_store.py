@@ -299,12 +299,14 @@ class StoreClient:
         # (a wait beyond the wire's limit, decades, would be dropped as malformed)
         wait = min(wait, w.STORE_MAX_WAIT_S / 2)
         with self._lock:
-            with self._state:
-                if self._closed:
-                    raise StoreError(f"the store client of {self.host}:{self.port} is closed")
-                self._busy = True
-            req = w.StoreRequest(op, next(self._ids) & 0xFFFFFFFF, wait, tuple(keys), tuple(values))
-            try:
+            try:  # (the flag set inside: whatever interrupts the call, it is cleared)
+                with self._state:
+                    if self._closed:
+                        raise StoreError(f"the store client of {self.host}:{self.port} is "
+                                         "closed")
+                    self._busy = True
+                req = w.StoreRequest(op, next(self._ids) & 0xFFFFFFFF, wait, tuple(keys),
+                                     tuple(values))
                 rep = self._conn.request(req, deadline=time.monotonic() + t)
             finally:
                 with self._state:

@@ -789,6 +789,113 @@ def test_from_env_under_torchrun_forms_when_rank_0_tries_again():
     assert res == [["timed out", [0, 1]], [0, 1]], res
 
 
+def retry_together_under_an_agent(rank, size, port):
+    """Under a torchrun-like agent store, world 3: ranks 0 and 1 time out (rank 2 is not
+    there) and try again, rank 1 at once, rank 0 a second later; rank 2 comes then."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(size), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT="0")
+    import torch.distributed  # noqa: F401  (imported before the clocks start)
+
+    out = []
+    if rank == 2:
+        time.sleep(2.5)
+    else:
+        try:
+            ctrlcomm.Group.from_env(name="ctl", timeout=1.0)
+        except ctrlcomm.FormationTimeoutError:
+            out.append("timed out")
+        if rank == 0:
+            time.sleep(1.0)
+    with ctrlcomm.Group.from_env(name="ctl", timeout=20) as g:
+        out.append(g.all_reduce(1))
+    return out
+
+
+def test_from_env_under_torchrun_forms_when_ranks_try_again_at_different_moments():
+    """(A first version numbered a name's groups as formed only: rank 1, trying again at
+    once, read the address of rank 0's first try, and the ranks split between stores.
+    Now rank 0 takes a failed try's address back, and a rank waits for another than the
+    one it tried.)"""
+    pytest.importorskip("torch")
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    agent = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=60))
+    try:
+        res = run_ranks(retry_together_under_an_agent, 3, port, timeout=90)
+    finally:
+        del agent
+    assert res == [["timed out", 3], ["timed out", 3], [3]], res
+
+
+def test_a_group_kept_only_through_its_asyncio_view_stays_open():
+    """(A first version of the fix for the view's cycle closed the group as soon as the
+    Group object went, though its view was kept.)"""
+    import gc
+    import weakref
+
+    view = ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, timeout=10).aio
+    gc.collect()
+    assert asyncio.run(view.all_reduce(5)) == 5
+    ref = weakref.ref(view._group)
+    del view
+    assert ref() is None  # (and without the cycle collector: no cycle)
+
+
+def msgpack_deeply_nested(g):
+    """A tuple nested past Python's recursion limit, with msgpack (its tuple extension
+    encodes by recursion): CodecError on every rank, the group in step."""
+    deep = ()
+    for _ in range(5000):
+        deep = (deep,)
+    try:
+        g.all_gather(deep if g.rank == 0 else 1)
+        out = "returned"
+    except ctrlcomm.CodecError as e:
+        out = str(e)
+    return out, g.all_reduce(1), g.broken
+
+
+def test_an_object_msgpack_recurses_too_deep_on_is_a_codec_error():
+    """(Before: a bare RecursionError left rank 0's call before anything was sent; its next
+    all_reduce paired with the other's all_gather: MismatchError.)"""
+    for r, (text, total, broken) in enumerate(run_group(msgpack_deeply_nested, 2,
+                                                        group_kwargs={"codec": "msgpack"})):
+        assert "codec 'msgpack' cannot encode" in text and total == 2 and not broken, (r, text)
+
+
+def aborts_in_its_reduction(g, awaited):
+    """Rank 0's reduction callable aborts the group, inside the all_reduce, its result in."""
+    def op(a, b):
+        if g.rank == 0:
+            g.abort("from op")
+        return a + b
+
+    out = []
+    for op_ in (op, "sum"):
+        try:
+            out.append(asyncio.run(g.aio.all_reduce(1, op=op_, timeout=10)) if awaited
+                       else g.all_reduce(1, op=op_, timeout=10))
+        except ctrlcomm.GroupBrokenError as e:
+            out.append(type(e).__name__)
+    return out
+
+
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_an_abort_from_a_reduction_callable_fails_the_next_call_on_every_rank(awaited):
+    """The call's result is in on both ranks: both return it, and both fail the next one.
+    (A version had an awaited call, running, take the abort as if suspended: rank 0 raised
+    in the call whose result rank 1 returned.)"""
+    r0, r1 = run_group(aborts_in_its_reduction, 2, awaited)
+    assert r0 == [2, "GroupBrokenError"] and r1 == [2, "PeerLostError"], (r0, r1)
+
+
 def two_threads(g):
     if g.rank == 1:
         time.sleep(0.5)
