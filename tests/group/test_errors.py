@@ -747,15 +747,37 @@ def test_a_mark_of_an_earlier_try_that_rank_0_was_not_in_does_not_count():
         srv.close()
 
 
-def retries_from_env_under_an_agent(rank, size, port):
-    """As under torchrun (its agent's TCPStore on MASTER_PORT): rank 0's first try times
-    out (rank 1 comes late) and it tries again; rank 1 comes after that first try."""
+def _as_under_torchrun(rank, size, port):
+    """This process's environment as torchrun's worker's, its agent's store at ``port``."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size), TORCHELASTIC_USE_AGENT_STORE="True",
                       TORCHELASTIC_RESTART_COUNT="0")
     import torch.distributed  # noqa: F401  (imported before the clocks start)
+
+
+def _under_an_agent(fn, size):
+    """``run_ranks(fn, size, port)`` with a TCPStore at ``port`` standing in for torchrun's
+    agent's."""
+    pytest.importorskip("torch")
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    agent = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=60))
+    try:
+        return run_ranks(fn, size, port, timeout=90)
+    finally:
+        del agent
+
+
+def retries_from_env_under_an_agent(rank, size, port):
+    """As under torchrun (its agent's TCPStore on MASTER_PORT): rank 0's first try times
+    out (rank 1 comes late) and it tries again; rank 1 comes after that first try."""
+    _as_under_torchrun(rank, size, port)
 
     if rank == 0:
         out = []
@@ -774,30 +796,14 @@ def retries_from_env_under_an_agent(rank, size, port):
 def test_from_env_under_torchrun_forms_when_rank_0_tries_again():
     """(Before: each try took the next number of the name: rank 1, coming late, read the
     address of rank 0's first try, whose store had given up, and timed out.)"""
-    pytest.importorskip("torch")
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    port = free_port()
-    agent = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=60))
-    try:
-        res = run_ranks(retries_from_env_under_an_agent, 2, port, timeout=90)
-    finally:
-        del agent
+    res = _under_an_agent(retries_from_env_under_an_agent, 2)
     assert res == [["timed out", [0, 1]], [0, 1]], res
 
 
 def retry_together_under_an_agent(rank, size, port):
     """Under a torchrun-like agent store, world 3: ranks 0 and 1 time out (rank 2 is not
     there) and try again, rank 1 at once, rank 0 a second later; rank 2 comes then."""
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(size), TORCHELASTIC_USE_AGENT_STORE="True",
-                      TORCHELASTIC_RESTART_COUNT="0")
-    import torch.distributed  # noqa: F401  (imported before the clocks start)
+    _as_under_torchrun(rank, size, port)
 
     out = []
     if rank == 2:
@@ -819,18 +825,7 @@ def test_from_env_under_torchrun_forms_when_ranks_try_again_at_different_moments
     once, read the address of rank 0's first try, and the ranks split between stores.
     Now rank 0 takes a failed try's address back, and a rank waits for another than the
     one it tried.)"""
-    pytest.importorskip("torch")
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    port = free_port()
-    agent = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=60))
-    try:
-        res = run_ranks(retry_together_under_an_agent, 3, port, timeout=90)
-    finally:
-        del agent
+    res = _under_an_agent(retry_together_under_an_agent, 3)
     assert res == [["timed out", 3], ["timed out", 3], [3]], res
 
 
