@@ -73,10 +73,10 @@ def setting_problems() -> list[str]:
         ([_SMALL_WORLD_PROBLEM] if _SMALL_WORLD_PROBLEM else [])
 
 
-if setting_problems():  # (a typo would silently run the default: say so, once)
+if _problems := setting_problems():  # (a typo would silently run the default: say so, once)
     import warnings
 
-    warnings.warn("; ".join(setting_problems()), RuntimeWarning, stacklevel=2)
+    warnings.warn("; ".join(_problems), RuntimeWarning, stacklevel=2)
 
 
 @functools.lru_cache(maxsize=256)

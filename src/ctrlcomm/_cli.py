@@ -138,8 +138,9 @@ def _bench(args: argparse.Namespace) -> int:
     from ._algo import setting_problems
     from ._errors import CtrlcommError
 
-    if setting_problems() and not args.from_json:  # (a run would say it used them)
-        print("ctrlcomm bench: " + "; ".join(setting_problems()), file=sys.stderr)
+    problems = setting_problems()
+    if problems and not args.from_json:  # (a run would say it used them)
+        print("ctrlcomm bench: " + "; ".join(problems), file=sys.stderr)
         return 2
 
     multihost = _multihost(args)

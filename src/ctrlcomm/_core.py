@@ -1227,10 +1227,11 @@ class Core:
             payload, bufs = w.dumps(obj, self.codec)
         except CodecError as e:
             raise CodecError(f"{what} on rank {self.rank}: {e}") from None
-        # (a buffer passed out of band is the sender's own memory: copied, as a send to a
-        # peer is by the time it returns; writable where it was, as a peer receives it)
-        bufs = tuple(b if type(b) is bytes else bytes(b) if memoryview(b).readonly
-                     else bytearray(b) for b in bufs)
+        # (what a peer gets: the buffers as they are where they cannot change (the wire's
+        # FLAG_IMMUTABLE), else each a writable copy: the sender's own memory may change
+        # once the call returns)
+        if not all(w.immutable(b) for b in bufs):
+            bufs = tuple(bytearray(b) for b in bufs)
         self.to_self.setdefault(tag, deque()).append((payload, bufs))
 
     def recv_self(self, tag: int, what: str) -> Any:

@@ -73,6 +73,14 @@ def _rank_arg(core: Core, value: Any, what: str, op: str) -> int:
     return r
 
 
+def _p2p_args(core: Core, peer: Any, what: str, tag: Any, timeout: Any, op: str
+              ) -> tuple[int, int, float | None]:
+    """A point-to-point call's peer (``what``: "dst" or "src"; this rank itself too), tag and
+    timeout, checked."""
+    return (_rank_arg(core, peer, what, op), _tag_arg(core, tag, op),
+            _timeout_arg(timeout, op))
+
+
 def _seconds(value: Any) -> float:
     """``value`` in seconds, as the store's methods take it (a number, or a timedelta, as
     torch.distributed's timeouts are); NaN where it is none (NaN fails every ``> 0`` check)."""
@@ -82,16 +90,21 @@ def _seconds(value: Any) -> float:
         return float("nan")
 
 
+def _env_seconds(raw: str) -> float:
+    """An environment variable's seconds (a number); NaN where it is none."""
+    try:
+        return float(raw)
+    except ValueError:
+        return float("nan")
+
+
 def _env_liveness(raw: str | None) -> float | None:
     """The default ``liveness_timeout``: 5 s, or ``CTRLCOMM_LIVENESS_TIMEOUT``."""
     if raw is None:
         return 5.0
     if raw.strip().lower() in ("none", "off"):
         return None
-    try:
-        v = float(raw)
-    except ValueError:
-        v = float("nan")
+    v = _env_seconds(raw)
     if not v > 0:
         log.warning("CTRLCOMM_LIVENESS_TIMEOUT=%r is not a number of seconds > 0 or 'none': "
                     "the default of 5 s applies", raw)
@@ -409,13 +422,11 @@ def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size
     try:
         if rank == 0:
             auth_key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
-            srv = StoreServer(local_address_for(host, port), 0,
-                              auth_key=auth_key, encrypt=bool(kwargs.get("encrypt", False)))
-            srv.pid = os.getpid()  # type: ignore[attr-defined]
+            srv = _acquire_server(local_address_for(host, port), 0,
+                                  auth_key.encode() if isinstance(auth_key, str) else auth_key,
+                                  bool(kwargs.get("encrypt", False)))
+            _release_server(srv.host, srv.port)  # (create takes it up; closed if unused)
             address = f"{srv.host} {srv.port}"
-            with _servers_lock:  # (create takes it up; closed if unused: _release_server)
-                _servers[(srv.host, srv.port)] = [srv, 1]
-            _release_server(srv.host, srv.port)
             agent.set(key, address)
         else:
             found = _published(agent, key, _agent_tried.get((name, n)), deadline)
@@ -487,7 +498,7 @@ def _acquire_server(host: str, port: int, key: bytes | None = None,
             return srv  # type: ignore[no-any-return]
         srv = StoreServer(host, port, auth_key=key, encrypt=encrypt)
         srv.pid = os.getpid()  # type: ignore[attr-defined]
-        _servers[(host, port)] = [srv, 1]
+        _servers[(host, srv.port)] = [srv, 1]  # (port 0: the one the OS picked)
         return srv
 
 
@@ -862,10 +873,7 @@ class Group:
             kwargs.setdefault("name", env["CTRLCOMM_NAME"])
         if "CTRLCOMM_TIMEOUT" in env and "timeout" not in kwargs:
             raw = env["CTRLCOMM_TIMEOUT"]
-            try:
-                secs = float(raw)
-            except ValueError:
-                secs = float("nan")
+            secs = _env_seconds(raw)
             if not secs > 0:
                 raise InvalidArgumentError(f"Group.from_env: CTRLCOMM_TIMEOUT must be a number "
                                            f"of seconds > 0, got {show(raw)}")
@@ -981,20 +989,18 @@ class Group:
         that does not keep up): then it waits, up to ``timeout``, for the queue to drain.
         """
         c = self._core
-        dst, tag = _rank_arg(c, dst, "dst", "send"), _tag_arg(c, tag, "send")
+        dst, tag, t = _p2p_args(c, dst, "dst", tag, timeout, "send")
         if dst == c.rank:  # (as MPI: for its own recv)
-            _timeout_arg(timeout, "send")
             return c.send_self(obj, tag, f"send(dst={dst}, tag={tag})")
-        run_sync(c, c.send(obj, dst, tag, _timeout_arg(timeout, "send")))
+        run_sync(c, c.send(obj, dst, tag, t))
 
     def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         """The next object ``src`` sent to this rank with ``tag``."""
         c = self._core
-        src, tag = _rank_arg(c, src, "src", "recv"), _tag_arg(c, tag, "recv")
+        src, tag, t = _p2p_args(c, src, "src", tag, timeout, "recv")
         if src == c.rank:  # (what it sent itself; none: an error, not a wait for ever)
-            _timeout_arg(timeout, "recv")
             return c.recv_self(tag, f"recv(src={src}, tag={tag})")
-        return run_sync(c, c.recv(src, tag, _timeout_arg(timeout, "recv")))
+        return run_sync(c, c.recv(src, tag, t))
 
     # -------------------------------------------------------------------- lifecycle
 
@@ -1115,19 +1121,17 @@ class AioGroup:
     async def send(self, obj: Any, dst: int, tag: int = 0, *,
                    timeout: float | None = None) -> None:
         c = self._core
-        dst, tag = _rank_arg(c, dst, "dst", "send"), _tag_arg(c, tag, "send")
+        dst, tag, t = _p2p_args(c, dst, "dst", tag, timeout, "send")
         if dst == c.rank:
-            _timeout_arg(timeout, "send")
             return c.send_self(obj, tag, f"send(dst={dst}, tag={tag})")
-        await run_async(c, c.send(obj, dst, tag, _timeout_arg(timeout, "send")))
+        await run_async(c, c.send(obj, dst, tag, t))
 
     async def recv(self, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         c = self._core
-        src, tag = _rank_arg(c, src, "src", "recv"), _tag_arg(c, tag, "recv")
+        src, tag, t = _p2p_args(c, src, "src", tag, timeout, "recv")
         if src == c.rank:
-            _timeout_arg(timeout, "recv")
             return c.recv_self(tag, f"recv(src={src}, tag={tag})")
-        return await run_async(c, c.recv(src, tag, _timeout_arg(timeout, "recv")))
+        return await run_async(c, c.recv(src, tag, t))
 
 
 # ---------------------------------------------------------------------------- rendezvous
@@ -1304,11 +1308,13 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         try:
             store.wait(keys, timeout=left())
         except StoreTimeoutError as e:
-            # (a store that answered nothing is not asked again: it would take as long)
-            missing, gave_up = _missing_ranks(store, range(size), ASK_S, done["rank0"]) \
-                if e.answered else ([], [])
-            joined = [k for r, k in enumerate(keys)
-                      if r not in missing and r not in gave_up and r != 0] if e.answered else []
+            missing: list[int] = []
+            gave_up: list[int] = []
+            joined: list[str] = []
+            if e.answered:  # (a store that answered nothing is not asked: it would take as long)
+                missing, gave_up = _missing_ranks(store, range(size), ASK_S, done["rank0"])
+                joined = [k for r, k in enumerate(keys)
+                          if r not in missing and r not in gave_up and r != 0]
             differ = ""
             if joined:  # (those of another world size, say: ranks beyond theirs never come)
                 try:

@@ -273,7 +273,7 @@ class StoreClient:
         if encrypt and not key:
             raise InvalidArgumentError("an encrypted store connection needs an auth_key")
         self.encrypt = encrypt
-        self._conn = StoreConnection(host, int(port), key or None, encrypt)
+        self._conn = StoreConnection(host, self.port, key or None, encrypt)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # (held by the call in progress)
         # _closed and _busy (a call is in progress), changed together under _state: close()

@@ -411,7 +411,7 @@ S_PING = 9
 STORE_OP_NAME = {S_SET: "set", S_GET: "get", S_ADD: "add", S_CAS: "compare_set",
                  S_DELETE: "delete", S_WAIT: "wait", S_DELETE_PREFIX: "delete_prefix",
                  S_CHECK: "check", S_PING: "ping"}
-STORE_OPS = frozenset(range(1, 10))
+STORE_OPS = frozenset(STORE_OP_NAME)
 
 # reply statuses
 R_OK = 0
