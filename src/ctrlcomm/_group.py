@@ -337,8 +337,12 @@ _LISTS = frozenset(w.OP_CODE[n] for n in ("gather", "all_gather", "all_to_all"))
 def _failed(call: Call, core: Core, result: _ops.Failed) -> CtrlcommError:
     cls = {"operand": OperandError, "codec": CodecError,
            "argument": InvalidArgumentError}.get(result.kind, ReductionError)
-    return cls(f"{call.name} on group {core.name!r} failed on rank {core.rank}: "
-               f"{result.message}")
+    where = result.where()
+    e = cls(f"{call.name} on group {core.name!r} failed on rank {core.rank}: "
+            f"{where + ': ' if where else ''}{result.message}")
+    if isinstance(e, ReductionError) and result.sides:
+        e.ranks = result.sides[0] + result.sides[1]
+    return e
 
 
 def _reduced(call: Call, core: Core, r: Any) -> Any:

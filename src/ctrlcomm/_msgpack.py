@@ -29,7 +29,7 @@ def _default(obj: Any) -> Any:
     from ._ops import Failed
 
     if type(obj) is Failed:
-        return m.ExtType(_FAILED, dumps([obj.message, obj.kind]))
+        return m.ExtType(_FAILED, dumps([obj.message, obj.kind, [list(x) for x in obj.sides]]))
     if type(obj) is int and not -(1 << 63) <= obj < 1 << 64:  # (msgpack's ints: 64 bits)
         text = str(obj) if obj.bit_length() <= 128 else f"of {obj.bit_length()} bits"
         raise OverflowError(f"the int {text} is out of msgpack's range (-2**63 to 2**64-1; "
@@ -43,8 +43,12 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == _FAILED:
         from ._ops import Failed
 
-        message, kind = loads(data)
-        return Failed(str(message), str(kind))
+        message, kind, *rest = loads(data)
+        sides = rest[0] if rest else ()
+        if not (type(sides) is list and len(sides) == 2 and all(
+                type(side) is list and all(type(r) is int for r in side) for side in sides)):
+            sides = ()
+        return Failed(str(message), str(kind), (tuple(sides[0]), tuple(sides[1])) if sides else ())
     raise ValueError(f"unknown msgpack extension {code}")
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, NamedTuple
 
+from ._ops import Failed
+
 Plan = Generator["Step", dict[int, Any], Any]
 
 
@@ -57,16 +59,30 @@ def _to(dsts: Iterable[int], obj: Any) -> tuple[tuple[int, Any], ...]:
 
 
 def fold(combine: Callable[[Any, Any], Any], vals: Sequence[Any]) -> Any:
-    """``vals`` combined left to right: ``combine(combine(vals[0], vals[1]), vals[2])`` and so
-    on; by ``combine.fold(vals)``, where it has one (a named op's: one pass instead of a call
-    per operand, which a star's root makes N-1 of on every call)."""
+    """``vals``, the ranks' operands in rank order, combined left to right:
+    ``combine(combine(vals[0], vals[1]), vals[2])`` and so on; by ``combine.fold(vals)``,
+    where it has one (a named op's: one pass instead of a call per operand, which a star's
+    root makes N-1 of on every call). A combination that fails gives its failure the ranks
+    it combined (ranks 0..i-1 with rank i)."""
     many = getattr(combine, "fold", None)
     if many is not None and len(vals) > 2:  # (two: one call costs less than the pass)
-        return many(vals)
+        acc = many(vals)
+        if type(acc) is not Failed:
+            return acc
+        # (a named op's fold is pure: again pairwise, to find the combination that failed)
     acc = vals[0]
-    for v in vals[1:]:
-        acc = combine(acc, v)
+    for i in range(1, len(vals)):
+        acc = combine(acc, vals[i])
+        if type(acc) is Failed:
+            return acc.at(range(i), (i,))
     return acc
+
+
+def _block(lo: int, size: int, n: int, top: int) -> range | list[int]:
+    """The ranks of virtual ranks ``lo`` .. ``lo + size - 1`` (capped at ``n``) of a tree
+    rooted at ``top``."""
+    hi = min(lo + size, n)
+    return range(lo, hi) if top == 0 else [(v + top) % n for v in range(lo, hi)]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -175,9 +191,12 @@ def reduce(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any], root: int,
     acc = obj
     if kids:
         got = yield Step(0, recvs=tuple((c + top) % n for c in kids))
-        # children in increasing virtual rank: acc covers [vr, ...) in rank order
+        # children in increasing virtual rank: acc covers [vr, c) in rank order, child c
+        # [c, c + (c - vr))
         for c in reversed(kids):
             acc = combine(acc, got[(c + top) % n])
+            if type(acc) is Failed:
+                acc = acc.at(_block(vr, c - vr, n, top), _block(c, c - vr, n, top))
     if parent >= 0:
         yield Step(0, sends=(((parent + top) % n, acc),))
         if ctx.rank != root:
@@ -215,6 +234,8 @@ def all_reduce_doubling(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) 
             return got[r + 1]
         got = yield Step(0, recvs=(r - 1,))
         acc = combine(got[r - 1], acc)
+        if type(acc) is Failed:
+            acc = acc.at((r - 1,), (r,))
         newrank = r // 2
     else:
         newrank = r - rem
@@ -229,11 +250,23 @@ def all_reduce_doubling(ctx: Ctx, obj: Any, combine: Callable[[Any, Any], Any]) 
         theirs = got[partner]
         # lower block on the left: every rank combines in the same order
         acc = combine(theirs, acc) if (newrank ^ mask) < newrank else combine(acc, theirs)
+        if type(acc) is Failed:
+            lo = newrank & ~(2 * mask - 1)  # (the two blocks: lo.. and lo + mask..)
+            acc = acc.at(_real(range(lo, lo + mask), rem), _real(range(lo + mask, lo + 2 * mask), rem))
         mask <<= 1
         rnd += 1
     if r < 2 * rem:
         yield Step(_ceil_log2(p) + 1, sends=((r - 1, acc),))
     return acc
+
+
+def _real(newranks: range, rem: int) -> list[int]:
+    """The ranks whose operands the partial results of recursive doubling's ``newranks``
+    hold (each of the first ``rem`` holds its even neighbour's too)."""
+    out: list[int] = []
+    for nr in newranks:
+        out += (2 * nr, 2 * nr + 1) if nr < rem else (nr + rem,)
+    return out
 
 
 def all_gather_flat(ctx: Ctx, obj: Any) -> Plan:

@@ -782,7 +782,13 @@ def sends_to_a_lost_peer(rank, size, port, transport, fault, op):
     g = _group(rank, size, port, name="sendonly", transport=transport, liveness_timeout=3.0,
                heartbeat_interval=0.25, timeout=20)
     g.barrier()
+    if rank == 0:
+        open(_mark(port, "sendonly-passed"), "w").close()
     if rank == 1:
+        # (not before rank 0 has passed the barrier: over ZeroMQ, a message this rank's
+        # barrier queued may not have left its I/O thread yet when SIGKILL ends the process;
+        # rank 0 then waited for it and found rank 1 lost at the barrier, in a loaded run)
+        _alive_until_marked(port, "sendonly-passed", 20)
         if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         getattr(g, fault)()
@@ -814,12 +820,12 @@ def test_a_send_that_does_not_wait_finds_its_peer_lost(store, transport, fault, 
     # (before: over ZeroMQ a send never failed, 1,400 of them in 15 s to a killed peer; a
     # broadcast's root, a gather's leaf returned, call after call, with the peer's abort
     # or goodbye unread in its socket)
-    _clear_marks(store.port, "sendonly")
+    _clear_marks(store.port, "sendonly", "sendonly-passed")
     try:
         ranks, n = run_ranks(sends_to_a_lost_peer, 2, store.port, transport, fault, op,
                              may_die=(1,), timeout=60)[0]
     finally:
-        _clear_marks(store.port, "sendonly")
+        _clear_marks(store.port, "sendonly", "sendonly-passed")
     assert ranks == [1], (ranks, n)
 
 

@@ -1,6 +1,7 @@
 """Deadlines, mismatches, bad input and states, with real ranks over real sockets."""
 
 import asyncio
+import re
 import threading
 import time
 from collections import namedtuple
@@ -364,6 +365,42 @@ def test_reduction_error_raised_on_every_rank_group_still_works(n):
     for msg, after in run_group(reduction_error_everywhere, n):
         assert "different lengths" in msg
         assert after == n
+
+
+def a_reduction_that_fails_at_one_rank(g, bad):
+    out = []
+    for call in (lambda v: g.all_reduce(v), lambda v: g.reduce(v, dst=g.size - 1)):
+        try:
+            got = call([1, 2] if g.rank != bad else [1, 2, 3])
+        except ctrlcomm.ReductionError as e:
+            got = (str(e), e.ranks)
+        out.append(got)
+    return out, g.all_reduce(g.rank)
+
+
+@pytest.mark.parametrize(("n", "codec", "bad"), [(2, "pickle", 1), (3, "pickle", 2), (5, "msgpack", 3),
+                                                 pytest.param(9, "msgpack", 6, marks=pytest.mark.slow)])
+def test_a_reduction_error_names_the_ranks_whose_operands_did_not_combine(n, codec, bad):
+    # the flat plan (2 ranks), the star (3 to 8: rank 0 combines and sends the failure on,
+    # encoded), recursive doubling (9); every rank names the same ranks, among them the one
+    # whose operand was odd, and the group still works
+    res = run_group(a_reduction_that_fails_at_one_rank, n, bad, group_kwargs={"codec": codec})
+    for r, (out, after) in enumerate(res):
+        assert after == n * (n - 1) // 2
+        (msg, ranks), red = out
+        assert bad in ranks and len(set(ranks)) == len(ranks) >= 2, (r, msg, ranks)
+        where = msg.split("combining the operand", 1)[1].split(":", 1)[0]  # (ranks a-b, c)
+        assert str(bad) in where.replace("-", " ").replace(",", " ").replace("'s", " ").split() \
+            or any(int(a) < bad < int(b) for a, b in re.findall(r"(\d+)-(\d+)", where)), msg
+        assert "different lengths" in msg
+        if n <= 8:  # a fold in rank order: the ranks before the odd one, and it
+            assert ranks == tuple(range(bad + 1)), ranks
+        assert msg.split(": ", 1)[1] == res[0][0][0][0].split(": ", 1)[1]  # (but "on rank r")
+        if r == n - 1:
+            assert red[1] and bad in red[1] and "different lengths" in red[0], red
+        else:
+            assert red is None
+    assert all(out[0][1] == res[0][0][0][1] for out, _ in res)
 
 
 def arrays_of_other_shapes(g):

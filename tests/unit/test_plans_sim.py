@@ -182,3 +182,47 @@ def test_chosen_algorithms_grow_logarithmically_beyond_small_worlds():
                 res = simulate(lambda c, p=plan, f=combine: p(c, 1, f), n)
             bound = max(n - 1, 2) if n <= _algo.SMALL_WORLD else math.ceil(math.log2(n)) + 2
             assert max(res.sends) <= bound and max(res.steps) <= bound, (op, n, res.sends)
+
+
+def _reduction_plans():
+    for op in ("all_reduce", "reduce"):
+        for name, plan in _algo.VARIANTS[op].items():
+            if op == "reduce":
+                for ordered in (True, False):
+                    yield f"reduce-{name}-{'ordered' if ordered else 'any'}", plan, ordered
+            else:
+                yield f"all_reduce-{name}", plan, None
+
+
+@pytest.mark.parametrize(("name", "plan", "ordered"), list(_reduction_plans()),
+                         ids=[p[0] for p in _reduction_plans()])
+@given(n=st.integers(2, 33), seed=seeds, data=st.data())
+def test_a_failed_combination_names_the_ranks_it_combined(name, plan, ordered, n, seed, data):
+    # each rank's operand is the set of its rank; combining unions them, and fails where
+    # rank `bad`'s operand first meets another's, saying which sets it was given: the
+    # failure's sides are those sets, the same on every rank that gets the failure
+    bad = data.draw(st.integers(0, n - 1))
+    root = data.draw(st.integers(0, n - 1))
+
+    def union(a, b):
+        if bad in a | b and len(a | b) > 1:
+            raise ValueError(f"{sorted(a)}|{sorted(b)}")
+        return a | b
+
+    combine = _ops.safe(union)
+    if ordered is None:
+        res = simulate(lambda c: plan(c, frozenset({c.rank}), combine), n, seed=seed)
+        got = res.results
+    else:
+        res = simulate(lambda c: plan(c, frozenset({c.rank}), combine, root, ordered), n, seed=seed)
+        got = [res.results[root]]
+    assert all(type(x) is _ops.Failed for x in got), got
+    assert len({(x.message, x.sides) for x in got}) == 1
+    left, right = got[0].sides
+    assert got[0].message == f"ValueError: {sorted(left)}|{sorted(right)}"
+    assert bad in left + right and not set(left) & set(right)
+    if name in ("all_reduce-flat", "all_reduce-star", "reduce-flat-ordered", "reduce-flat-any"):
+        # a fold in rank order: the ranks before the first that does not combine, and it
+        assert (left, right) == ((tuple(range(bad)), (bad,)) if bad else ((0,), (1,)))
+    else:
+        assert all(type(x) is _ops.Failed for x in res.results if x is not None)

@@ -212,6 +212,25 @@ def test_msgpack_codec_keeps_tuples_and_refuses_objects():
         w.dumps({"k": Color.RED}, w.MSGPACK)  # (a subclass of int: its type, not a range)
 
 
+@pytest.mark.parametrize("codec", [w.PICKLE, w.MSGPACK])
+def test_a_failure_travels_with_the_ranks_it_names(codec):
+    import msgpack
+
+    from ctrlcomm import _msgpack, _ops
+
+    for f in (_ops.Failed("ValueError: x", "reduction", ((0, 1), (2,))),
+              _ops.Failed("on rank 3: no", "operand")):
+        back = w.loads(*w.dumps(f, codec), codec)
+        assert (back.message, back.kind, back.sides) == (f.message, f.kind, f.sides)
+    # from a peer of an earlier version (two fields), or sides that are not two lists of ints:
+    # none named, never an error while decoding
+    for fields in (["m", "reduction"], ["m", "reduction", [[0], ["1"]]], ["m", "reduction", 7],
+                   ["m", "reduction", [[0], [1], [2]]], ["m", "reduction", [[0], 1]]):
+        data = msgpack.packb(msgpack.ExtType(_msgpack._FAILED, msgpack.packb(fields)))
+        back = _msgpack.loads(data)
+        assert (back.message, back.sides) == ("m", ())
+
+
 def test_good_messages_before_garbage_are_kept():
     frames = [b"abc", b"de"]
     d = w.StreamDecoder()
