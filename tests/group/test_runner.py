@@ -110,3 +110,36 @@ def test_ranks_that_ignore_sigint_ignore_it_from_their_start():
         th.join()
     assert len(hit) == 3, hit
     assert out == [(True, False)] * 3
+
+
+def parent_and_algo(rank, size):
+    import os
+
+    from ctrlcomm import _algo
+
+    return os.getppid(), _algo.OVERRIDES, os.environ.get("CTRLCOMM_ALGO")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork server")
+def test_ranks_start_from_a_fork_server_unless_the_environment_changed(monkeypatch):
+    """By default ranks are forks of a server that has imported ctrlcomm (a fraction of a
+    spawned process's start); where the environment differs from the server's, spawned:
+    a variable ctrlcomm reads at import (CTRLCOMM_ALGO) takes effect in the ranks."""
+    import os
+    from multiprocessing import forkserver
+
+    from ctrlcomm.testing import _runner
+
+    if _runner._server["pid"] is None and forkserver._forkserver._forkserver_pid is not None:
+        pytest.skip("a fork server started by other code runs (by a test run before, alone)")
+    monkeypatch.delenv("CTRLCOMM_ALGO", raising=False)
+    out = run_ranks(parent_and_algo, 2, timeout=60)
+    server = out[0][0]
+    assert server != os.getpid() and [o[0] for o in out] == [server] * 2, out
+    assert out[0][1:] == ({}, None)
+    assert run_ranks(parent_and_algo, 2, timeout=60)[0][0] == server  # (the same server)
+    monkeypatch.setenv("CTRLCOMM_ALGO", "all_reduce=doubling")
+    out = run_ranks(parent_and_algo, 2, timeout=60)
+    assert out == [(os.getpid(), {"all_reduce": "doubling"}, "all_reduce=doubling")] * 2
+    monkeypatch.delenv("CTRLCOMM_ALGO")
+    assert run_ranks(parent_and_algo, 2, timeout=60)[0][0] == server

@@ -1,4 +1,4 @@
-"""Run a function in N real processes (spawned), one per rank, and collect the results."""
+"""Run a function in N real processes, one per rank, and collect the results."""
 
 from __future__ import annotations
 
@@ -142,11 +142,59 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
         q.put((rank, False, f"result not picklable: {e}"))
 
 
+# the fork server ranks start from by default, where it can stand for spawn: its pid and the
+# environment it started with
+_server: dict[str, Any] = {"pid": None, "env": None}
+_server_lock = threading.Lock()
+_ENV_IGNORED = frozenset({"PYTEST_CURRENT_TEST"})  # (pytest's, set anew for each test)
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _ENV_IGNORED}
+
+
+def _fork_server() -> int | None:
+    """The pid of a fork server preloaded with ctrlcomm, started by this module, running
+    with the environment this process has now, whose forks can stand for spawned processes
+    (a fresh interpreter's start and ctrlcomm's import, 0.3-0.8 s per rank here, saved); or
+    None where there is none: no fork server on this platform, one started before by other
+    code (its preloads and environment unknown), or an environment changed since it started
+    (ctrlcomm reads some variables when imported: a rank must see them as set now)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return None
+    from multiprocessing import forkserver
+
+    fs = getattr(forkserver, "_forkserver", None)
+    if not hasattr(fs, "_forkserver_pid") or not hasattr(fs, "_preload_modules"):
+        return None  # (another Python's multiprocessing: spawn)
+    env = _env()
+    with _server_lock:
+        if _server["pid"] is None:
+            if fs._forkserver_pid is not None:  # type: ignore[union-attr]
+                return None
+            preload = list(fs._preload_modules or [])  # type: ignore[union-attr]
+            forkserver.set_forkserver_preload(preload + ["ctrlcomm", "ctrlcomm.testing"])
+        forkserver.ensure_running()  # (started, or started again where it died)
+        pid = fs._forkserver_pid  # type: ignore[union-attr]
+        if pid != _server["pid"]:
+            _server.update(pid=pid, env=env)
+        return int(pid) if _server["env"] == env else None
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
-              start_method: str = "spawn", may_die: tuple[int, ...] = (),
+              start_method: str | None = None, may_die: tuple[int, ...] = (),
               kill_after_results: bool = False, fail_fast: bool = False,
               ignore_sigint: bool = False, **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new processes.
+
+    ``start_method`` is multiprocessing's; by default, forks of a server process that has
+    imported ctrlcomm (the ``forkserver`` method, preloaded: a rank starts in milliseconds
+    instead of a fresh interpreter's start and imports), where they can stand for spawned
+    processes, else ``"spawn"``: spawn where the platform has no fork server, where one
+    was started by other code, where the environment changed since this module started
+    its server (some variables are read when ctrlcomm is imported), and with
+    ``ignore_sigint``. Each rank is a process of its own either way, with nothing of this
+    process's state but what spawn passes (its ``sys.path`` and working directory).
 
     ``fn`` must be importable (a module-level function). Returns the results in rank order.
     Raises :class:`RankFailedError` with every failing rank's traceback if any rank raised,
@@ -160,12 +208,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     reaches every process of its group: the caller stops the ranks instead), Python's
     start-up included, during which SIGINT stays blocked.
     """
-    ctx: Any = mp.get_context(start_method)
+    server = _fork_server() if start_method is None and not ignore_sigint else None
+    method = start_method or ("forkserver" if server is not None else "spawn")
+    ctx: Any = mp.get_context(method)
     q = ctx.Queue()
     # (the death signal follows the thread that started a process: only the main thread's
-    # ranks are tied to it; and under forkserver a rank's parent is the server)
+    # ranks are tied to it; under forkserver a rank's parent is the server, which ends
+    # with this process: a rank of the server this module started is tied to it)
     parent = os.getpid() if threading.current_thread() is threading.main_thread() \
-        and start_method in ("spawn", "fork") else None
+        and method in ("spawn", "fork") else server
     procs = [ctx.Process(target=_child, daemon=True,
                          args=(fn, r, world_size, args, kwargs, q, parent, ignore_sigint))
              for r in range(world_size)]
