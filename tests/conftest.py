@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 import signal
 
@@ -16,6 +17,12 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     # ignored across exec): the tests of Ctrl-C (a rank interrupted, the bench stopped)
     # would test nothing and fail. They need it as a terminal gives it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# Ranks start as forks of ctrlcomm.testing's server, which has imported ctrlcomm (see
+# run_ranks); each imports its test's module, and so pytest: imported there once too (0.2 s
+# of every rank's start otherwise). ("__main__": multiprocessing's own default.)
+multiprocessing.set_forkserver_preload(["__main__", "pytest"])
 
 
 @pytest.fixture
