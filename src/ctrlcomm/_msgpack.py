@@ -46,7 +46,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
         message, kind, *rest = loads(data)
         sides = rest[0] if rest else ()
         if not (type(sides) is list and len(sides) == 2 and all(
-                type(side) is list and all(type(r) is int for r in side) for side in sides)):
+                type(side) is list and side and all(type(r) is int and r >= 0 for r in side)
+                for side in sides)):
             sides = ()
         return Failed(str(message), str(kind), (tuple(sides[0]), tuple(sides[1])) if sides else ())
     raise ValueError(f"unknown msgpack extension {code}")

@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 from ._errors import CodecError, WireError
 
 MAGIC = b"CC"
-VERSION = 2  # 2: FLAG_IMMUTABLE (a rank of version 1 drops such messages as malformed)
+VERSION = 3  # 2: FLAG_IMMUTABLE (a rank of version 1 drops such messages as malformed); 3: a
+# failed reduction carries the ranks it combined (a rank of version 2 cannot decode it)
 STORE_VERSION = 1  # the store's requests and replies (unchanged since 1)
 HEADER = struct.Struct("<2sBBBBHIQQqiH")
 

@@ -126,20 +126,133 @@ def test_ranks_start_from_a_fork_server_unless_the_environment_changed(monkeypat
     spawned process's start); where the environment differs from the server's, spawned:
     a variable ctrlcomm reads at import (CTRLCOMM_ALGO) takes effect in the ranks."""
     import os
-    from multiprocessing import forkserver
 
     from ctrlcomm.testing import _runner
 
-    if _runner._server["pid"] is None and forkserver._forkserver._forkserver_pid is not None:
-        pytest.skip("a fork server started by other code runs (by a test run before, alone)")
-    monkeypatch.delenv("CTRLCOMM_ALGO", raising=False)
+    if not _runner._fork_server():
+        pytest.skip("no fork server of run_ranks can stand for spawn here (one started by "
+                    "other code, or the environment changed since it started)")
+    before = os.environ.get("CTRLCOMM_ALGO")
     out = run_ranks(parent_and_algo, 2, timeout=60)
     server = out[0][0]
     assert server != os.getpid() and [o[0] for o in out] == [server] * 2, out
-    assert out[0][1:] == ({}, None)
-    assert run_ranks(parent_and_algo, 2, timeout=60)[0][0] == server  # (the same server)
-    monkeypatch.setenv("CTRLCOMM_ALGO", "all_reduce=doubling")
+    assert out[0][2] == before
+    new = "all_reduce=doubling" if before != "all_reduce=doubling" else "all_reduce=flat"
+    monkeypatch.setenv("CTRLCOMM_ALGO", new)
     out = run_ranks(parent_and_algo, 2, timeout=60)
-    assert out == [(os.getpid(), {"all_reduce": "doubling"}, "all_reduce=doubling")] * 2
-    monkeypatch.delenv("CTRLCOMM_ALGO")
+    assert out == [(os.getpid(), {"all_reduce": new.split("=")[1]}, new)] * 2
+    monkeypatch.undo()
     assert run_ranks(parent_and_algo, 2, timeout=60)[0][0] == server
+
+
+def prints(rank, size):
+    import sys
+
+    print(f"out of rank {rank}", flush=True)
+    print(f"err of rank {rank}", file=sys.stderr, flush=True)
+    return rank
+
+
+def test_what_a_rank_prints_goes_where_this_process_prints_now(capfd):
+    # (a fork server's child has the server's standard output and error: those of the
+    # process that started it, as they were then; pytest's capfd points them elsewhere)
+    assert run_ranks(prints, 2, timeout=60) == [0, 1]
+    out, err = capfd.readouterr()
+    assert sorted(out.split("\n")) == ["", "out of rank 0", "out of rank 1"], out
+    assert sorted(err.split("\n")) == ["", "err of rank 0", "err of rank 1"], err
+
+
+def _script(tmp_path, text, timeout=120):
+    import subprocess
+
+    (tmp_path / "script.py").write_text(text)
+    return subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+_RANKS = """
+import os, sys, time
+from ctrlcomm.testing import run_ranks
+
+def pid(rank, size):
+    return os.getpid()
+
+def sleeper(rank, size, path):
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_ranks_end_with_a_runner_that_is_killed(tmp_path):
+    # (every child of a fork server inherits its "alive" pipe: while ranks held it, the
+    # server outlived a runner killed with SIGKILL, and so did they)
+    import os
+    import signal
+    import subprocess
+
+    (tmp_path / "script.py").write_text(_RANKS + """
+if __name__ == "__main__":
+    print(run_ranks(pid, 1) != [os.getpid()], flush=True)  # (the server started)
+    run_ranks(sleeper, 2, sys.argv[1], timeout=300)
+""")
+    runner = subprocess.Popen([sys.executable, "script.py", str(tmp_path / "pid")],
+                              cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert runner.stdout.readline().strip() == "True"
+        end = time.monotonic() + 60
+        while not all((tmp_path / f"pid.{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < end and runner.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.2)
+        pids = [int((tmp_path / f"pid.{r}").read_text()) for r in (0, 1)]
+    finally:
+        runner.kill()
+        runner.wait(30)
+        runner.stdout.close()
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    end, alive = time.monotonic() + 10, pids
+    while alive and time.monotonic() < end:
+        time.sleep(0.1)
+        alive = [p for p in pids if running(p)]
+    for p in alive:  # (ranks of this test's runner: ended here, so that nothing is left)
+        os.kill(p, signal.SIGKILL)
+    assert not alive, "ranks outlived their runner"
+
+
+def test_a_fork_of_a_runner_runs_ranks_too(tmp_path):
+    # (the fork has the runner's record of its server, which is not its child: it asked
+    # after it and raised ChildProcessError)
+    done = _script(tmp_path, _RANKS + """
+if __name__ == "__main__":
+    first = run_ranks(pid, 2)
+    child = os.fork()
+    if child == 0:
+        try:
+            ok = len(set(run_ranks(pid, 2)) - set(first)) == 2
+        except BaseException as e:
+            print(type(e).__name__, e, flush=True)
+            ok = False
+        os._exit(0 if ok else 3)
+    print("fork", os.waitpid(child, 0)[1] >> 8, "again", len(run_ranks(pid, 2)), flush=True)
+""")
+    assert done.stdout.split() == ["fork", "0", "again", "2"], (done.stdout, done.stderr)
+
+
+def test_a_preload_of_the_callers_that_fails_leaves_ranks_spawned(tmp_path):
+    # (the server ended at its start, and run_ranks raised a bare EOFError)
+    (tmp_path / "fragile.py").write_text("raise RuntimeError('not here')\n")
+    done = _script(tmp_path, _RANKS + """
+import multiprocessing
+if __name__ == "__main__":
+    multiprocessing.set_forkserver_preload(["fragile"])
+    print(len(run_ranks(pid, 2)), len(run_ranks(pid, 3)), flush=True)
+""")
+    assert done.stdout.split() == ["2", "3"], (done.stdout, done.stderr)

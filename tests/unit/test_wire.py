@@ -225,7 +225,8 @@ def test_a_failure_travels_with_the_ranks_it_names(codec):
     # from a peer of an earlier version (two fields), or sides that are not two lists of ints:
     # none named, never an error while decoding
     for fields in (["m", "reduction"], ["m", "reduction", [[0], ["1"]]], ["m", "reduction", 7],
-                   ["m", "reduction", [[0], [1], [2]]], ["m", "reduction", [[0], 1]]):
+                   ["m", "reduction", [[0], [1], [2]]], ["m", "reduction", [[0], 1]],
+                   ["m", "reduction", [[], []]], ["m", "reduction", [[0], [-1]]]):
         data = msgpack.packb(msgpack.ExtType(_msgpack._FAILED, msgpack.packb(fields)))
         back = _msgpack.loads(data)
         assert (back.message, back.sides) == ("m", ())

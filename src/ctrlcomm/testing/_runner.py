@@ -125,10 +125,13 @@ def _sigint_held(hold: bool) -> Iterator[None]:
 
 def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
            kwargs: dict[str, Any], q: Any, parent: int | None = None,
-           ignore_sigint: bool = False) -> None:
+           ignore_sigint: bool = False, given: Any = None) -> None:
     if ignore_sigint:  # (blocked since the fork: a Ctrl-C meanwhile is dropped here)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if parent == 0:  # a fork of the server: tied to it (it ends with the runner)
+        _leave_server()
+        parent = os.getppid()
     if parent is not None:
         _tie_to_parent(parent)
     try:
@@ -142,43 +145,125 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple[Any, ...],
         q.put((rank, False, f"result not picklable: {e}"))
 
 
-# the fork server ranks start from by default, where it can stand for spawn: its pid and the
-# environment it started with
-_server: dict[str, Any] = {"pid": None, "env": None}
+# The fork server ranks start from by default, where its forks can stand for spawned
+# processes: its pid, the process that started it, and what a process it starts inherits
+# from this one as things were when it started (see _inherited).
+_server: dict[str, Any] = {"pid": None, "owner": None, "state": None, "failed": False}
 _server_lock = threading.Lock()
-_ENV_IGNORED = frozenset({"PYTEST_CURRENT_TEST"})  # (pytest's, set anew for each test)
+_CARRIED = ("PYTEST_CURRENT_TEST",)  # (pytest's, set anew for each test: given to each rank)
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _ENV_IGNORED}
-
-
-def _fork_server() -> int | None:
-    """The pid of a fork server preloaded with ctrlcomm, started by this module, running
-    with the environment this process has now, whose forks can stand for spawned processes
-    (a fresh interpreter's start and ctrlcomm's import, 0.3-0.8 s per rank here, saved); or
-    None where there is none: no fork server on this platform, one started before by other
-    code (its preloads and environment unknown), or an environment changed since it started
-    (ctrlcomm reads some variables when imported: a rank must see them as set now)."""
-    if "forkserver" not in mp.get_all_start_methods():
+def _umask() -> str | None:
+    try:  # (reading it with os.umask would change it for a moment, for every thread)
+        with open("/proc/self/status") as f:
+            return next((ln.split()[1] for ln in f if ln.startswith("Umask:")), None)
+    except OSError:
         return None
+
+
+def _inherited() -> tuple[Any, ...]:
+    """What a spawned process takes from this one (and from this thread) besides what spawn
+    passes (sys.path, the working directory) and its standard output and error (given to
+    each rank): the environment, ignored signals, the signal mask, CPU affinity, umask,
+    niceness, resource limits, ids. A fork server's child takes them from the server, as
+    they were when it started; where they differ, ranks are spawned."""
+    import resource
+
+    env = {k: v for k, v in os.environ.items() if k not in _CARRIED}
+    ignored = frozenset(s for s in signal.valid_signals()
+                        if signal.getsignal(s) == signal.SIG_IGN)
+    limits = tuple(resource.getrlimit(getattr(resource, n)) for n in sorted(dir(resource))
+                   if n.startswith("RLIMIT_"))
+    return (env, ignored, frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, ())),
+            frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            _umask(), os.getpriority(os.PRIO_PROCESS, 0), limits, os.getresuid(),
+            os.getresgid())
+
+
+def _fork_server() -> bool:
+    """Whether ranks can start as forks of a server preloaded with ctrlcomm, started by
+    this module in this process, and stand for spawned processes (a fresh interpreter's
+    start and ctrlcomm's import, 0.3-0.8 s per rank here, saved): not where there is no
+    fork server on this platform, where other code started one (its preloads and state
+    unknown), where this process is a fork of the one that started it, where it failed to
+    start (a preload of the caller's that raised), or where what a process inherits from
+    this one changed since it started (:func:`_inherited`: the environment, for one, of
+    which ctrlcomm reads some variables when imported)."""
+    if "forkserver" not in mp.get_all_start_methods() or not hasattr(os, "getresuid"):
+        return False
     from multiprocessing import forkserver
 
     fs = getattr(forkserver, "_forkserver", None)
-    if not hasattr(fs, "_forkserver_pid") or not hasattr(fs, "_preload_modules"):
-        return None  # (another Python's multiprocessing: spawn)
-    env = _env()
+    if not all(hasattr(fs, a) for a in ("_forkserver_pid", "_preload_modules",
+                                        "_forkserver_alive_fd")):
+        return False  # (another Python's multiprocessing: spawn)
+    state = _inherited()
     with _server_lock:
+        if _server["failed"]:
+            return False
         if _server["pid"] is None:
             if fs._forkserver_pid is not None:  # type: ignore[union-attr]
-                return None
+                return False
             preload = list(fs._preload_modules or [])  # type: ignore[union-attr]
             forkserver.set_forkserver_preload(preload + ["ctrlcomm", "ctrlcomm.testing"])
+        elif _server["owner"] != os.getpid():
+            return False  # (a fork of the process that started it: not its child)
         forkserver.ensure_running()  # (started, or started again where it died)
         pid = fs._forkserver_pid  # type: ignore[union-attr]
         if pid != _server["pid"]:
-            _server.update(pid=pid, env=env)
-        return int(pid) if _server["env"] == env else None
+            _server.update(pid=pid, owner=os.getpid(), state=state)
+        return bool(_server["state"] == state)
+
+
+class _Given:
+    """What a rank takes from the process that starts it at that moment, where it is a fork
+    of the server (which has this process's as they were when it started): its standard
+    output and error (file descriptors, passed as multiprocessing passes them) and
+    :data:`_CARRIED` variables. Taken as the rank unpickles its arguments, before it runs
+    anything else (the rank's argument is then None)."""
+
+    def __init__(self) -> None:
+        self.env = {k: os.environ.get(k) for k in _CARRIED}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        fds: list[Any] = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # (closed here: left as the server's)
+                fds.append(None)
+            else:
+                fds.append(reduction.DupFd(fd))
+        return (_take, (fds, self.env))
+
+
+def _take(fds: list[Any], env: dict[str, str | None]) -> None:
+    for fd, target in zip(fds, (1, 2), strict=True):
+        if fd is not None:
+            got = fd.detach()
+            os.dup2(got, target)
+            os.close(got)
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _leave_server() -> None:
+    """In a rank forked by the server: close the server's "alive" pipe, which each of its
+    children inherits. The server ends when every holder has closed it; with the ranks
+    holding it, it would outlive a runner killed (SIGKILL), and so would they."""
+    from multiprocessing import forkserver
+
+    fs = getattr(forkserver, "_forkserver", None)
+    fd = getattr(fs, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        fs._forkserver_alive_fd = None  # type: ignore[union-attr]
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
@@ -208,25 +293,42 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     reaches every process of its group: the caller stops the ranks instead), Python's
     start-up included, during which SIGINT stays blocked.
     """
-    server = _fork_server() if start_method is None and not ignore_sigint else None
-    method = start_method or ("forkserver" if server is not None else "spawn")
-    ctx: Any = mp.get_context(method)
-    q = ctx.Queue()
-    # (the death signal follows the thread that started a process: only the main thread's
-    # ranks are tied to it; under forkserver a rank's parent is the server, which ends
-    # with this process: a rank of the server this module started is tied to it)
-    parent = os.getpid() if threading.current_thread() is threading.main_thread() \
-        and method in ("spawn", "fork") else server
-    procs = [ctx.Process(target=_child, daemon=True,
-                         args=(fn, r, world_size, args, kwargs, q, parent, ignore_sigint))
-             for r in range(world_size)]
+    server = start_method is None and not ignore_sigint and _fork_server()
+
+    def make(method: str) -> tuple[Any, list[Any]]:
+        ctx: Any = mp.get_context(method)
+        q = ctx.Queue()
+        # (the death signal follows the thread that started a process: only the main
+        # thread's ranks are tied to it; under forkserver a rank's parent is the server,
+        # which ends with this process: a rank of the server this module started is tied
+        # to it, 0)
+        parent = 0 if server else os.getpid() \
+            if threading.current_thread() is threading.main_thread() \
+            and method in ("spawn", "fork") else None
+        given = _Given() if server else None
+        return q, [ctx.Process(target=_child, daemon=True,
+                               args=(fn, r, world_size, args, kwargs, q, parent,
+                                     ignore_sigint, given))
+                   for r in range(world_size)]
+
+    q, procs = make("forkserver" if server else start_method or "spawn")
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
     failures: dict[int, str] = {}
     try:
+        if server:
+            try:
+                procs[0].start()
+            except Exception:  # the server could not start one: a preload that raised, say
+                with _server_lock:
+                    _server["failed"] = True
+                q.close()
+                server = False
+                q, procs = make("spawn")
         with _sigint_held(ignore_sigint):
             for p in procs:
-                p.start()
+                if p.pid is None:
+                    p.start()
         while len(results) < world_size:
             try:
                 rank, ok, out = q.get(timeout=0.2)
