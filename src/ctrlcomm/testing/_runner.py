@@ -276,10 +276,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     imported ctrlcomm (the ``forkserver`` method, preloaded: a rank starts in milliseconds
     instead of a fresh interpreter's start and imports), where they can stand for spawned
     processes, else ``"spawn"``: spawn where the platform has no fork server, where one
-    was started by other code, where the environment changed since this module started
-    its server (some variables are read when ctrlcomm is imported), and with
-    ``ignore_sigint``. Each rank is a process of its own either way, with nothing of this
-    process's state but what spawn passes (its ``sys.path`` and working directory).
+    was started by other code, in a fork of the process that started it, where what a
+    spawned process would take from this one (the environment, of which ctrlcomm reads
+    some variables when imported; ignored signals, the signal mask, CPU affinity, umask,
+    niceness, limits) changed since this module started its server, and with
+    ``ignore_sigint``. A fork of the server takes this process's standard output and error
+    as they are when it starts (pytest's ``capfd`` sees what ranks print), and its ranks
+    end with the server, which ends with this process.
 
     ``fn`` must be importable (a module-level function). Returns the results in rank order.
     Raises :class:`RankFailedError` with every failing rank's traceback if any rank raised,
