@@ -9,6 +9,7 @@ from collections import namedtuple
 import pytest
 
 import ctrlcomm
+from ctrlcomm import _wire
 from ctrlcomm.testing import RankFailedError, free_port, run_group, run_ranks
 
 
@@ -1331,6 +1332,7 @@ TORCHRUN_CHILD = """
 import json, os
 import torch.distributed as dist
 import ctrlcomm
+from ctrlcomm import _wire
 
 dist.init_process_group("gloo")  # (its store: torchrun's agent's, on MASTER_PORT too)
 out = []
@@ -1615,11 +1617,13 @@ def test_a_stale_address_table_times_out_as_a_timeout():
     # launcher retrying on TimeoutError took for final; and the rank's key is taken back.
     with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
         c = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=5, prefix="ctrlcomm/stale/")
-        f = "ctrlcomm:formation/"
-        c.set(f + "rank/0", "tcp://127.0.0.1:9 9 ws:2 codec:pickle tr:tcp wire:2")
-        c.set(f + "table", "00ff\ntcp://127.0.0.1:9 9\ntcp://127.0.0.1:10 10")
-        with pytest.raises(ctrlcomm.FormationTimeoutError, match="does not hold this rank's"):
-            ctrlcomm.Group.create("127.0.0.1", srv.port, 1, 2, name="stale", timeout=1.5,
-                                  host_store=False)
-        assert not c.check([f + "rank/1"])
-        c.close()
+        try:
+            f = "ctrlcomm:formation/"
+            c.set(f + "rank/0", f"tcp://127.0.0.1:9 9 ws:2 codec:pickle tr:tcp wire:{_wire.VERSION}")
+            c.set(f + "table", "00ff\ntcp://127.0.0.1:9 9\ntcp://127.0.0.1:10 10")
+            with pytest.raises(ctrlcomm.FormationTimeoutError, match="does not hold this rank's"):
+                ctrlcomm.Group.create("127.0.0.1", srv.port, 1, 2, name="stale", timeout=1.5,
+                                      host_store=False)
+            assert not c.check([f + "rank/1"])
+        finally:
+            c.close()
