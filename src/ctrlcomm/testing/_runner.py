@@ -208,7 +208,11 @@ def _fork_server() -> bool:
             forkserver.set_forkserver_preload(preload + ["ctrlcomm", "ctrlcomm.testing"])
         elif _server["owner"] != os.getpid():
             return False  # (a fork of the process that started it: not its child)
-        forkserver.ensure_running()  # (started, or started again where it died)
+        try:
+            forkserver.ensure_running()  # (started, or started again where it died)
+        except Exception:  # (it could not be started: spawn, as before there was one)
+            _server["failed"] = True
+            return False
         pid = fs._forkserver_pid  # type: ignore[union-attr]
         if pid != _server["pid"]:
             _server.update(pid=pid, owner=os.getpid(), state=state)
