@@ -148,8 +148,12 @@ def test_ranks_start_from_a_fork_server_unless_the_environment_changed(monkeypat
 def prints(rank, size):
     import sys
 
-    print(f"out of rank {rank}", flush=True)
-    print(f"err of rank {rank}", file=sys.stderr, flush=True)
+    # (a line in one write: the ranks share the file, and print's pieces interleave where
+    # Python runs unbuffered, PYTHONUNBUFFERED=1: 'out of rank 0out of rank 1')
+    sys.stdout.write(f"out of rank {rank}\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"err of rank {rank}\n")
+    sys.stderr.flush()
     return rank
 
 
