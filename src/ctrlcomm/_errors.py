@@ -113,8 +113,9 @@ class ReductionError(CtrlcommError, ValueError):
         ranks: where two operands (or partial results) could not be combined, the ranks
             whose operands they held, the left one's first, in the order combined (the
             message says which were on which side: "combining the operands of ranks 0-1
-            with rank 2's"); with the flat and star plans (up to 8 ranks) ranks 0..i, where
-            rank i's operand was the first that did not combine with those before it. Empty
+            with rank 2's"); with the flat and star plans (by default up to 8 ranks) ranks
+            0..i, where rank i's operand was the first that did not combine with those
+            before it. Empty
             where a rank's operand was refused before any combining (:class:`OperandError`,
             whose message names that rank).
     """
