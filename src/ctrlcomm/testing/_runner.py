@@ -300,38 +300,40 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     reaches every process of its group: the caller stops the ranks instead), Python's
     start-up included, during which SIGINT stays blocked.
     """
-    server = start_method is None and not ignore_sigint and _fork_server()
-
-    def make(method: str) -> tuple[Any, list[Any]]:
-        ctx: Any = mp.get_context(method)
+    def make(forked: bool) -> tuple[Any, list[Any]]:
+        """The queue and the processes: forks of the server, or by ``start_method``."""
+        ctx: Any = mp.get_context("forkserver" if forked else start_method or "spawn")
         q = ctx.Queue()
         # (the death signal follows the thread that started a process: only the main
         # thread's ranks are tied to it; under forkserver a rank's parent is the server,
-        # which ends with this process: a rank of the server this module started is tied
+        # which ends with this process: a fork of the server this module started is tied
         # to it, 0)
-        parent = 0 if server else os.getpid() \
-            if threading.current_thread() is threading.main_thread() \
-            and method in ("spawn", "fork") else None
-        given = _Given() if server else None
+        parent: int | None = None
+        if forked:
+            parent = 0
+        elif threading.current_thread() is threading.main_thread() \
+                and ctx.get_start_method() in ("spawn", "fork"):
+            parent = os.getpid()
+        given = _Given() if forked else None
         return q, [ctx.Process(target=_child, daemon=True,
                                args=(fn, r, world_size, args, kwargs, q, parent,
                                      ignore_sigint, given))
                    for r in range(world_size)]
 
-    q, procs = make("forkserver" if server else start_method or "spawn")
+    forked = start_method is None and not ignore_sigint and _fork_server()
+    q, procs = make(forked)
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
     failures: dict[int, str] = {}
     try:
-        if server:
+        if forked:
             try:
                 procs[0].start()
             except Exception:  # the server could not start one: a preload that raised, say
                 with _server_lock:
                     _server["failed"] = True
                 q.close()
-                server = False
-                q, procs = make("spawn")
+                q, procs = make(False)
         with _sigint_held(ignore_sigint):
             for p in procs:
                 if p.pid is None:
