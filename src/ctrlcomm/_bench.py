@@ -686,7 +686,9 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
     from ._transport import StoreServer
 
     check_cfg(cfg)
-    host = _store_host(host, port)  # (StoreError naming a host that does not resolve)
+    # (StoreError naming a host that does not resolve; a name is looked up once, within
+    # the ranks' wait)
+    host = _store_host(host, port, MULTIHOST_WAIT_S)
     if type(n) is not int or n < 1 or type(rank) is not int or not 0 <= rank < n:
         raise ValueError(f"rank {rank!r} of world size {n!r}: the world size must be >= 1 "
                          "and the rank in [0, world size)")

@@ -45,11 +45,11 @@ from ._transport import (
     TcpEndpoint,
     _parse_tcp,
     _tcp,
-    check_bind_host,
     curve_available,
     local_address_for,
     make_endpoint,
     proc_address,
+    resolve,
     same_host_procs,
 )
 
@@ -426,7 +426,13 @@ def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size
     try:
         if rank == 0:
             auth_key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
-            srv = _acquire_server(local_address_for(host, port), 0,
+            try:  # (the agent's host: a name looked up within formation's deadline)
+                here = local_address_for(_store_host(host, port, deadline - time.monotonic()),
+                                         port)
+            except StoreTimeoutError as e:
+                raise FormationStoreTimeoutError(f"group {name!r} not formed within the "
+                                                 f"timeout on rank 0: {e}") from None
+            srv = _acquire_server(here, 0,
                                   auth_key.encode() if isinstance(auth_key, str) else auth_key,
                                   bool(kwargs.get("encrypt", False)))
             _release_server(srv.host, srv.port)  # (create takes it up; closed if unused)
@@ -557,20 +563,40 @@ def _group_id(name: str, nonce: str) -> int:
                           "little")
 
 
-def _store_host(host: Any, port: Any) -> str:
-    """``host``, checked: a str that resolves (an IPv6 address in brackets, as in a URL,
-    without them)."""
+def _check_host(host: Any, what: str) -> str:
+    """``host``, a str (an IPv6 address in brackets, as in a URL, without them)."""
     if not isinstance(host, str) or not host.strip("[]"):
-        raise InvalidArgumentError(f"host must be a host name or address (a str), got "
+        raise InvalidArgumentError(f"{what} must be a host name or address (a str), got "
                                    f"{show(host)}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _store_host(host: Any, port: Any, timeout: float) -> str:
+    """The store's address: ``host`` checked, a name looked up within ``timeout`` seconds.
+    Raises StoreError where it does not resolve, StoreTimeoutError where the lookup took
+    longer (see _transport.resolve)."""
+    host = _check_host(host, "host")
     try:
-        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return resolve(host, timeout)
     except (socket.gaierror, UnicodeError) as e:
         raise StoreError(f"cannot reach the store at {host}:{port}: host {host!r} does not "
                          f"resolve ({getattr(e, 'strerror', None) or e})") from None
-    return str(host)
+    except TimeoutError as e:
+        raise StoreTimeoutError(f"cannot reach the store at {host}:{port}: {e}",
+                                answered=False) from None
+
+
+def _bind_address(bind_host: Any, timeout: float) -> str:
+    """``bind_host`` checked, as an address (a name looked up within ``timeout`` seconds):
+    InvalidArgumentError where it does not resolve, TimeoutError where the lookup took
+    longer."""
+    host = _check_host(bind_host, "bind_host")
+    try:
+        return resolve(host, timeout)
+    except (socket.gaierror, UnicodeError) as e:
+        raise InvalidArgumentError(
+            f"bind_host {bind_host!r} does not resolve ({getattr(e, 'strerror', None) or e}): "
+            "give an address of this machine, or '0.0.0.0' for every interface") from None
 
 
 def _validate_world(rank: Any, world_size: Any) -> tuple[int, int]:
@@ -695,14 +721,18 @@ class Group:
                 rank and beat number only).
 
         Raises:
-            InvalidArgumentError: bad rank, world size, name, timeout or codec.
-            StoreError: the store's port is in use (naming the address) or it is unreachable.
+            InvalidArgumentError: bad rank, world size, name, timeout, codec or
+                ``bind_host`` (one that does not resolve).
+            StoreError: the store's port is in use (naming the address), it is
+                unreachable, or ``host`` does not resolve.
             FormationTimeoutError: not every rank joined within ``timeout``; names them.
+                Host names are looked up within it too (the system's resolver has no
+                deadline of its own): a lookup that takes longer raises it, naming the host.
             FormationError: another process already joined with this rank, or the ranks
                 were created with different world sizes, codecs or transports (named).
         """
         rank, world_size = _validate_world(rank, world_size)
-        host = _store_host(host, port)
+        host = _check_host(host, "host")
         if not isinstance(name, str) or not name or "/" in name or "\n" in name:
             raise InvalidArgumentError(f"group name must be a non-empty str without '/' or "
                                        f"newlines, got {name!r}")
@@ -747,6 +777,18 @@ class Group:
             raise InvalidArgumentError(f"heartbeat_interval must be > 0, got "
                                        f"{show(heartbeat_interval)}")
         liveness_timeout, heartbeat_interval = live, beat
+        # names looked up within formation's deadline (the resolver has none of its own);
+        # sockets are given the numbers
+        late = f"group {name!r} not formed within the timeout on rank {rank}"
+        try:
+            host = _store_host(host, port, deadline - time.monotonic())
+        except StoreTimeoutError as e:
+            raise FormationStoreTimeoutError(f"{late}: {e}") from None
+        if bind_host is not None:
+            try:
+                bind_host = _bind_address(bind_host, deadline - time.monotonic())
+            except TimeoutError as e:
+                raise FormationTimeoutError(f"{late}: bind_host: {e}") from None
         server = _acquire_server(host, port, key, encrypt) if host_store else None
         store = ep = hb = None
         try:
@@ -754,12 +796,9 @@ class Group:
                                 auth_key=key, encrypt=encrypt)
             if bind_host is None:
                 bind_host = local_address_for(host, port)
-            else:
-                check_bind_host(bind_host)
-                if bind_host in ("0.0.0.0", "::", "") and not key:
-                    log.warning("group %r binds every interface (%r) without an auth_key: "
-                                "anyone who reaches this host can send frames to it",
-                                name, bind_host)
+            elif bind_host in ("0.0.0.0", "::") and not key:
+                log.warning("group %r binds every interface (%r) without an auth_key: anyone "
+                            "who reaches this host can send frames to it", name, bind_host)
             ep = make_endpoint(transport, bind_host, zmq_context=zmq_context, encrypt=encrypt)
             hb = Heartbeat(bind_host, 0, rank, key or None, float(heartbeat_interval))
             # "endpoint udp-port [unix:name@host] [curve:public-key] [proc:host:pid:start]":
@@ -774,7 +813,7 @@ class Group:
             # (and the wire format's version: a peer of another reads none of its messages)
             alike = f"ws:{world_size} codec:{codec} tr:{transport} wire:{w.VERSION}"
             address = ep.address
-            if bind_host in ("0.0.0.0", "::", ""):
+            if bind_host in ("0.0.0.0", "::"):
                 # bound to every interface: peers are told the one that reaches the store
                 # (the address bound, 0.0.0.0, would send a peer elsewhere to its own host)
                 address = _tcp(local_address_for(host, port), _parse_tcp(address)[1][1])

@@ -265,15 +265,29 @@ class StoreClient:
 
     def __init__(self, host: str, port: int, *, timeout: float = 300.0, prefix: str = "",
                  auth_key: bytes | str | None = None, encrypt: bool = False) -> None:
-        from ._transport import StoreConnection
+        from ._transport import StoreConnection, resolve
 
+        if not isinstance(host, str) or not host.strip("[]"):
+            raise InvalidArgumentError(f"store: host must be a host name or address (a str), "
+                                       f"got {show(host)}")
         self.host, self.port, self.prefix = host, port_arg(port, "store: port"), prefix
         self.timeout = _timeout(timeout, "client")
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
         if encrypt and not key:
             raise InvalidArgumentError("an encrypted store connection needs an auth_key")
         self.encrypt = encrypt
-        self._conn = StoreConnection(host, self.port, key or None, encrypt)
+        # a name is looked up here, within the timeout (see resolve), and ZeroMQ given the
+        # number: it would look the name up without a deadline, at every reconnection too
+        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            address = resolve(bare, self.timeout)
+        except TimeoutError as e:
+            raise StoreTimeoutError(f"cannot reach the store at {host}:{self.port}: {e}",
+                                    answered=False) from None
+        except (OSError, UnicodeError) as e:  # (socket.gaierror)
+            raise StoreError(f"cannot reach the store at {host}:{self.port}: host {bare!r} "
+                             f"does not resolve ({getattr(e, 'strerror', None) or e})") from None
+        self._conn = StoreConnection(address, self.port, key or None, encrypt)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # (held by the call in progress)
         # _closed and _busy (a call is in progress), changed together under _state: close()

@@ -72,8 +72,55 @@ def context() -> zmq.Context[Any]:
         return _ctx
 
 
+def _numeric(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def resolve(host: str, timeout: float) -> str:
+    """``host``'s address, looked up within ``timeout`` seconds: a number as it is, a name as
+    its first IPv4 address, or its first IPv6 one where it has none (ZeroMQ, given a name,
+    looks for IPv4 only). Raises socket.gaierror where the name does not resolve (or
+    UnicodeError), TimeoutError where the lookup took longer.
+
+    The system's resolver has no deadline of its own: a DNS server that does not answer holds
+    ``getaddrinfo`` for its timeout times its attempts, per server (5 s x 2 each by default),
+    and ZeroMQ, given a name, looks it up in ``connect()`` and then again at each reconnection
+    in its I/O thread, which every socket of the process shares. So a name is looked up here,
+    in a thread this one waits for until the deadline (and leaves behind if it has not
+    returned: nothing can stop a ``getaddrinfo``), and sockets are given numbers.
+    """
+    if _numeric(host):
+        return host
+    got: list[Any] = []
+
+    def look() -> None:
+        try:
+            got.append(socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM))
+        except BaseException as e:  # noqa: BLE001  (handed to the caller)
+            got.append(e)
+        done.set()
+
+    done = threading.Event()
+    threading.Thread(target=look, name=f"ctrlcomm-resolve-{host}", daemon=True).start()
+    if not done.wait(max(timeout, 0.0)):
+        raise TimeoutError(f"looking up host {host!r} took longer than {timeout:.3g} s (is "
+                           "its DNS server reachable?)")
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    infos = got[0]
+    if not infos:  # (never, by getaddrinfo's contract)
+        raise socket.gaierror(socket.EAI_NONAME, f"{host!r} resolves to no address")
+    info = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
+    return str(info[4][0])
+
+
 def local_address_for(host: str, port: int) -> str:
-    """The address of this machine's interface that routes to ``host`` (no packet is sent)."""
+    """The address of this machine's interface that routes to ``host`` (no packet is sent;
+    ``host`` a number, or a name looked up without a deadline: see :func:`resolve`)."""
     infos = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)
     family, _, _, _, addr = infos[0]
     with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -94,12 +141,6 @@ def _is_v6(endpoint: str) -> bool:
     return endpoint.startswith("tcp://[")
 
 
-def check_bind_host(host: str) -> None:
-    """Raise for an address that is not this machine's (before ZeroMQ reports it obscurely)."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        socket.getaddrinfo(host, None)
 
 
 # ------------------------------------------------------------------ CurveZMQ encryption

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from typing import Any
 
 try:
@@ -25,29 +26,50 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(or install the torch build for your machine first)"
     ) from e
 
-from ._errors import InvalidArgumentError
-from ._group import Group
-from ._transport import StoreServer, local_address_for
+from ._errors import FormationError, FormationTimeoutError, InvalidArgumentError
+from ._group import Group, _timeout_arg
+from ._transport import StoreServer, local_address_for, resolve
 
 __all__ = ["group_from_torch", "init_torch_process_group"]
 
 
-def _default_host() -> str:
+def _default_host(timeout: float) -> str:
     """An address of this machine that the other ranks can reach.
 
     The interface toward torchrun's ``MASTER_ADDR`` when it is set (the peers reach that
-    network too), else what this host's name resolves to, else loopback.
+    network too), else what this host's name resolves to, else loopback. Names are looked up
+    within ``timeout`` seconds in all.
     """
+    deadline = time.monotonic() + timeout
     master = os.environ.get("MASTER_ADDR")
     if master:
         try:
-            return local_address_for(master, int(os.environ.get("MASTER_PORT", "29500")))
-        except OSError:
+            return local_address_for(resolve(master, deadline - time.monotonic()),
+                                     int(os.environ.get("MASTER_PORT", "29500")))
+        except (OSError, UnicodeError, ValueError):  # (TimeoutError, socket.gaierror)
             pass
     try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
+        return resolve(socket.gethostname(), deadline - time.monotonic())
+    except (OSError, UnicodeError):
         return "127.0.0.1"
+
+
+def _leader_host(hostname: Any, timeout: float) -> str:
+    """The address the leader's store binds to: ``hostname`` looked up (within
+    ``timeout``), or :func:`_default_host`."""
+    if hostname is None:
+        return _default_host(timeout)
+    if not isinstance(hostname, str) or not hostname.strip("[]"):
+        raise InvalidArgumentError(f"Group.from_torch: hostname must be a host name or "
+                                   f"address (a str), got {hostname!r}")
+    bare = hostname[1:-1] if hostname.startswith("[") and hostname.endswith("]") else hostname
+    try:
+        return resolve(bare, timeout)
+    except TimeoutError as e:
+        raise FormationTimeoutError(f"Group.from_torch: hostname: {e}") from None
+    except (OSError, UnicodeError) as e:
+        raise InvalidArgumentError(f"Group.from_torch: hostname {hostname!r} does not resolve "
+                                   f"({getattr(e, 'strerror', None) or e})") from None
 
 
 def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
@@ -63,11 +85,19 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
         process_group: a torch ProcessGroup, or None for the default group.
         hostname: address the leader's store binds to (reachable by every member).
         name: the ctrlcomm group's name.
-        timeout: the ctrlcomm group's default timeout.
+        timeout: the ctrlcomm group's default timeout (and formation's deadline).
         **kwargs: passed on to :meth:`ctrlcomm.Group.create` (``transport``, ``codec``...).
+
+    Raises:
+        FormationError: on the members other than the leader, where the leader could not
+            serve the store (its error is named): they do not wait for torch's timeout.
+        and what :meth:`ctrlcomm.Group.create` raises.
     """
     if not dist.is_initialized():
         raise InvalidArgumentError("Group.from_torch: torch.distributed is not initialized")
+    t = _timeout_arg(timeout, "Group.from_torch")
+    if t is None:
+        raise InvalidArgumentError("Group.from_torch: timeout must be > 0 seconds, got None")
     pg = process_group if process_group is not None else dist.group.WORLD
     rank = dist.get_rank(pg)
     if rank < 0:
@@ -77,12 +107,21 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
     server = None
     info: list[Any] = [None]
     if rank == 0:
-        host = hostname or _default_host()
-        key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
-        server = StoreServer(host, 0, auth_key=key, encrypt=bool(kwargs.get("encrypt")))
-        info = [(host, server.port)]
+        try:
+            host = _leader_host(hostname, t)
+            key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
+            server = StoreServer(host, 0, auth_key=key, encrypt=bool(kwargs.get("encrypt")))
+            info = [(host, server.port)]
+        except Exception as e:
+            # the others wait for the address in the broadcast below, up to torch's timeout
+            # (30 minutes by default): they are told instead
+            dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=leader, group=pg)
+            raise
     try:
         dist.broadcast_object_list(info, src=leader, group=pg)
+        if isinstance(info[0], str):
+            raise FormationError(f"Group.from_torch: the group's leader (global rank {leader}) "
+                                 f"could not serve the store: {info[0]}")
         host, port = info[0]
         g = Group.create(host, port, rank, size, name=name, timeout=timeout, host_store=False,
                          **kwargs)

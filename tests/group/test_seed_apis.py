@@ -715,6 +715,46 @@ def test_group_from_torch_and_subgroup():
     assert res[0][1] == (0, 2, [0, 2]) and res[2][1] == (1, 2, [0, 2])
 
 
+def from_torch_leader_fails(rank, size, port):
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from ctrlcomm import Group
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)  # (torch's timeout: 30 min)
+    t = time.monotonic()
+    try:
+        Group.from_torch(hostname="no.such.host.invalid", name="bad", timeout=20)
+        out = {"error": None}
+    except Exception as e:
+        out = {"error": type(e).__name__, "msg": str(e)}
+    out["took"] = time.monotonic() - t
+    with Group.from_torch(hostname="localhost", name="named", timeout=20) as g:
+        out["named"] = (g.all_gather(rank), g._core.ep.address.startswith("tcp://127.0.0.1:"))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.torch
+def test_group_from_torch_whose_leader_cannot_serve_the_store_fails_on_every_member():
+    """(before: the leader raised, and the others waited for its address in torch's
+    broadcast, for torch's timeout: 30 minutes)"""
+    pytest.importorskip("torch")
+    res = run_ranks(from_torch_leader_fails, 3, free_port(), timeout=120)
+    assert res[0]["error"] == "InvalidArgumentError", res[0]
+    assert "hostname 'no.such.host.invalid' does not resolve" in res[0]["msg"], res[0]
+    for out in res[1:]:
+        assert out["error"] == "FormationError", out
+        assert "leader (global rank 0) could not serve the store: InvalidArgumentError: " \
+               "Group.from_torch: hostname 'no.such.host.invalid'" in out["msg"], out
+        assert out["took"] < 15, out
+    for out in res:
+        assert out["named"] == ([0, 1, 2], True), out
+
+
 def test_ctrlcomm_torch_without_torch_says_what_to_install():
     import subprocess
     import sys

@@ -308,6 +308,56 @@ def test_group_create_on_a_host_that_does_not_resolve_names_it():
         assert g.all_reduce(3) == 3
 
 
+def test_a_store_client_on_a_host_that_does_not_resolve_names_it():
+    """(before: the client was made, ZeroMQ kept the name, and its first request said only
+    that the store "did not answer within 2.0 s ... is it running?")"""
+    with pytest.raises(ctrlcomm.StoreError, match="host 'no.such.host.invalid' does not "
+                                                  "resolve") as e:
+        ctrlcomm.StoreClient("no.such.host.invalid", free_port(), timeout=2)
+    assert not isinstance(e.value, ctrlcomm.StoreTimeoutError)
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="store: host must be"):
+        ctrlcomm.StoreClient(None, free_port())
+
+
+def test_a_store_client_given_a_name_talks_to_the_store_at_its_address(store):
+    c = ctrlcomm.StoreClient("localhost", store.port, timeout=5)
+    try:
+        c.set("k", b"v")
+        assert c.get("k") == b"v"
+        assert "localhost" in repr(c)
+        assert c._conn.addr == f"tcp://127.0.0.1:{store.port}"  # (ZeroMQ is given the number)
+    finally:
+        c.close()
+
+
+def _named(rank, size, port):
+    with ctrlcomm.Group.create("localhost", port, rank, size, timeout=20,
+                               bind_host="localhost" if rank == 1 else None) as g:
+        return g.all_gather(g._core.ep.address)
+
+
+def test_a_group_on_host_names_forms_and_binds_at_their_addresses():
+    port = free_port()
+    res = run_ranks(_named, 3, port, timeout=60)
+    assert res[0] == res[1] == res[2]
+    assert all(a.startswith("tcp://127.0.0.1:") for a in res[0]), res[0]
+
+
+@pytest.mark.parametrize("bind_host", ["no.such.host.invalid", "", None, 7])
+def test_a_bind_host_that_is_no_address_is_named(bind_host):
+    """(before: a bare socket.gaierror, "Name or service not known", naming nothing)"""
+    if bind_host is None:  # (the default: the interface toward the store's host)
+        with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, bind_host=bind_host,
+                                   timeout=5) as g:
+            assert g.all_reduce(1) == 1
+        return
+    port = free_port()
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="bind_host"):
+        ctrlcomm.Group.create("127.0.0.1", port, 0, 1, bind_host=bind_host, timeout=5)
+    with ctrlcomm.Group.create("127.0.0.1", port, 0, 1, timeout=5) as g:  # (nothing left)
+        assert g.all_reduce(1) == 1
+
+
 def test_a_rank_whose_store_host_rank_0_never_came_gets_a_formation_timeout_naming_it():
     """(before: a StoreTimeoutError only, "store did not answer": code that catches
     FormationTimeoutError missed it)"""

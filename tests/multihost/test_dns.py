@@ -1,0 +1,140 @@
+"""Host names looked up within the caller's deadline, against a DNS server that never answers.
+
+The test makes a network namespace (root) whose resolv.conf names a server on the namespace's
+own loopback that reads queries and answers none, with a resolver timeout of 30 s: a lookup
+without a deadline of its own takes those 30 s.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.multihost,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                       reason="needs root and iproute2 to make a network namespace"),
+]
+
+NS = f"ccdns{os.getpid() % 100000}"
+RESOLVER_S = 30
+
+SILENT_DNS = """
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("127.0.0.1", 53))
+print("ready", flush=True)
+while True:
+    s.recv(4096)
+"""
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def dark_dns():
+    conf = Path("/etc/netns") / NS  # (`ip netns exec` mounts its files over /etc's)
+    sh("ip", "netns", "add", NS)
+    dns = None
+    try:
+        sh("ip", "netns", "exec", NS, "ip", "link", "set", "lo", "up")
+        conf.mkdir(parents=True, exist_ok=True)
+        (conf / "resolv.conf").write_text(f"nameserver 127.0.0.1\n"
+                                          f"options timeout:{RESOLVER_S} attempts:1\n")
+        dns = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-c", SILENT_DNS],
+                               stdout=subprocess.PIPE, text=True)
+        assert dns.stdout.readline().strip() == "ready"
+        yield NS
+    finally:
+        if dns is not None:
+            dns.kill()  # (by pid: the process this fixture started)
+            dns.wait(10)
+            dns.stdout.close()
+        sh("ip", "netns", "del", NS, check=False)
+        shutil.rmtree(conf, ignore_errors=True)
+
+
+def in_dark(ns, body, timeout=RESOLVER_S * 3):
+    """Run ``body`` (Python; it prints one JSON line) in the namespace; its result."""
+    code = textwrap.dedent("""
+        import json, time
+        import ctrlcomm
+        from ctrlcomm.testing import free_port
+
+        def attempt(fn):
+            t = time.monotonic()
+            try:
+                fn()
+                out = {"error": None}
+            except Exception as e:
+                out = {"error": type(e).__name__, "msg": str(e),
+                       "timeout": isinstance(e, TimeoutError),
+                       "formation": isinstance(e, ctrlcomm.FormationTimeoutError),
+                       "store": isinstance(e, ctrlcomm.StoreTimeoutError),
+                       "answered": getattr(e, "answered", None)}
+            out["took"] = time.monotonic() - t
+            return out
+    """) + textwrap.dedent(body)
+    p = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_namespace_resolver_does_hang(dark_dns):
+    """(what the tests below stand on: a bare lookup waits for the resolver's timeout)"""
+    got = in_dark(dark_dns, """
+        import socket
+        print(json.dumps(attempt(lambda: socket.getaddrinfo("store.example", None))))
+    """)
+    assert got["error"] == "gaierror" and got["took"] > RESOLVER_S * 0.8, got
+
+
+def test_group_create_gives_up_on_a_store_name_at_its_deadline(dark_dns):
+    """(before: Group.create waited the resolver's 30 s, past its 2 s timeout, then said the
+    host "does not resolve")"""
+    got = in_dark(dark_dns, """
+        print(json.dumps(attempt(lambda: ctrlcomm.Group.create(
+            "store.example", free_port(), 0, 1, name="dark", timeout=2))))
+    """)
+    assert got["error"] == "FormationStoreTimeoutError", got
+    assert got["formation"] and got["store"] and got["answered"] is False, got
+    assert "'store.example'" in got["msg"] and "rank 0" in got["msg"], got
+    assert got["took"] < 2 + 5, got
+
+
+def test_a_store_client_gives_up_on_a_name_at_its_timeout(dark_dns):
+    got = in_dark(dark_dns, """
+        print(json.dumps(attempt(lambda: ctrlcomm.StoreClient("store.example", free_port(),
+                                                              timeout=2))))
+    """)
+    assert got["error"] == "StoreTimeoutError" and got["answered"] is False, got
+    assert "'store.example'" in got["msg"], got
+    assert got["took"] < 2 + 5, got
+
+
+def test_a_bind_host_name_is_looked_up_within_formation_deadline(dark_dns):
+    """(the store on a number, the rank's bind_host a name; and a group formed right after
+    in the same process, on numbers, is not held up by the lookup left behind)"""
+    got = in_dark(dark_dns, """
+        late = attempt(lambda: ctrlcomm.Group.create(
+            "127.0.0.1", free_port(), 0, 1, name="dark", timeout=2, bind_host="me.example"))
+
+        def formed():
+            with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, timeout=5) as g:
+                assert g.all_reduce(2) == 2
+        late["after"] = attempt(formed)
+        print(json.dumps(late))
+    """)
+    assert got["error"] == "FormationTimeoutError" and got["formation"], got
+    assert "bind_host" in got["msg"] and "'me.example'" in got["msg"], got
+    assert got["took"] < 2 + 5, got
+    assert got["after"]["error"] is None and got["after"]["took"] < 5, got
