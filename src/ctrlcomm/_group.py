@@ -417,22 +417,21 @@ def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size
     n = _agent_formed.get(name, 0)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     key = f"ctrlcomm/attempt_{restart}/{name}/{n}/store"
+    try:  # (the agent's host: a name looked up within formation's deadline; torch has none)
+        agent_address = _store_host(host, port, deadline - time.monotonic())
+    except StoreTimeoutError as e:
+        raise FormationStoreTimeoutError(f"group {name!r} not formed within the timeout on "
+                                         f"rank {rank}: torchrun's agent store: {e}") from None
     try:
-        agent = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=t),
-                         wait_for_workers=False)
+        agent = TCPStore(agent_address, port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
     except Exception as e:  # (torch's DistNetworkError, RuntimeError...)
         raise StoreError(f"Group.from_env under torchrun: cannot reach its agent's store at "
                          f"{host}:{port}: {type(e).__name__}: {e}") from None
     try:
         if rank == 0:
             auth_key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
-            try:  # (the agent's host: a name looked up within formation's deadline)
-                here = local_address_for(_store_host(host, port, deadline - time.monotonic()),
-                                         port)
-            except StoreTimeoutError as e:
-                raise FormationStoreTimeoutError(f"group {name!r} not formed within the "
-                                                 f"timeout on rank 0: {e}") from None
-            srv = _acquire_server(here, 0,
+            srv = _acquire_server(local_address_for(agent_address, port), 0,
                                   auth_key.encode() if isinstance(auth_key, str) else auth_key,
                                   bool(kwargs.get("encrypt", False)))
             _release_server(srv.host, srv.port)  # (create takes it up; closed if unused)
@@ -781,7 +780,7 @@ class Group:
         # sockets are given the numbers
         late = f"group {name!r} not formed within the timeout on rank {rank}"
         try:
-            host = _store_host(host, port, deadline - time.monotonic())
+            store_address = _store_host(host, port, deadline - time.monotonic())
         except StoreTimeoutError as e:
             raise FormationStoreTimeoutError(f"{late}: {e}") from None
         if bind_host is not None:
@@ -789,13 +788,13 @@ class Group:
                 bind_host = _bind_address(bind_host, deadline - time.monotonic())
             except TimeoutError as e:
                 raise FormationTimeoutError(f"{late}: bind_host: {e}") from None
-        server = _acquire_server(host, port, key, encrypt) if host_store else None
+        server = _acquire_server(store_address, port, key, encrypt) if host_store else None
         store = ep = hb = None
         try:
             store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/",
-                                auth_key=key, encrypt=encrypt)
+                                auth_key=key, encrypt=encrypt, _address=store_address)
             if bind_host is None:
-                bind_host = local_address_for(host, port)
+                bind_host = local_address_for(store_address, port)
             elif bind_host in ("0.0.0.0", "::") and not key:
                 log.warning("group %r binds every interface (%r) without an auth_key: anyone "
                             "who reaches this host can send frames to it", name, bind_host)
@@ -816,7 +815,8 @@ class Group:
             if bind_host in ("0.0.0.0", "::"):
                 # bound to every interface: peers are told the one that reaches the store
                 # (the address bound, 0.0.0.0, would send a peer elsewhere to its own host)
-                address = _tcp(local_address_for(host, port), _parse_tcp(address)[1][1])
+                address = _tcp(local_address_for(store_address, port),
+                               _parse_tcp(address)[1][1])
             # ("join:": this try's own, so that no later try reads this one's table as its
             # own, were its ports the same again)
             me = " ".join(filter(None, (address, str(hb.port), local,
@@ -866,10 +866,10 @@ class Group:
             if store is not None:
                 store.close()
             if server is not None:
-                _release_server(host, port)
+                _release_server(store_address, port)
             raise
         return cls(core, store=store, server=server,
-                   server_key=(host, port) if server is not None else None)
+                   server_key=(store_address, port) if server is not None else None)
 
     @classmethod
     def from_torch(cls, process_group: Any = None, **kwargs: Any) -> Group:

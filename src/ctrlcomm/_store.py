@@ -264,7 +264,8 @@ class StoreClient:
     """
 
     def __init__(self, host: str, port: int, *, timeout: float = 300.0, prefix: str = "",
-                 auth_key: bytes | str | None = None, encrypt: bool = False) -> None:
+                 auth_key: bytes | str | None = None, encrypt: bool = False,
+                 _address: str | None = None) -> None:
         from ._transport import StoreConnection, resolve
 
         if not isinstance(host, str) or not host.strip("[]"):
@@ -278,9 +279,10 @@ class StoreClient:
         self.encrypt = encrypt
         # a name is looked up here, within the timeout (see resolve), and ZeroMQ given the
         # number: it would look the name up without a deadline, at every reconnection too
+        # (_address: ``host``'s, looked up by the caller already; ``host`` is named in errors)
         bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         try:
-            address = resolve(bare, self.timeout)
+            address = _address or resolve(bare, self.timeout)
         except TimeoutError as e:
             raise StoreTimeoutError(f"cannot reach the store at {host}:{self.port}: {e}",
                                     answered=False) from None

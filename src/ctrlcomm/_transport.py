@@ -80,6 +80,39 @@ def _numeric(host: str) -> bool:
     return True
 
 
+# The names being looked up, each with its lookup's (event, answer): a caller that finds its
+# name here waits for that lookup instead of starting another, so a resolver that hangs holds
+# one thread per name, not one per try. (Forgotten in a forked child: the threads are not.)
+_lookups: dict[str, tuple[threading.Event, list[Any]]] = {}
+_lookups_lock = threading.Lock()
+
+
+def _forget_lookups() -> None:
+    global _lookups, _lookups_lock
+    _lookups, _lookups_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_lookups)
+
+
+def _look_up(host: str, answer: list[Any], done: threading.Event) -> None:
+    try:
+        try:  # (IPv4 first, as ZeroMQ and IPv4 sockets ask: /etc/hosts may give a name
+            # "::1" alone when asked for any family, and 127.0.0.1 when asked for IPv4)
+            infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            if e.errno in (socket.EAI_AGAIN, socket.EAI_FAIL):  # (the DNS failed: not again)
+                raise
+            infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
+        answer.append(infos)
+    except BaseException as e:  # noqa: BLE001  (handed to the callers)
+        answer.append(e)
+    with _lookups_lock:
+        if _lookups.get(host, (None,))[0] is done:
+            del _lookups[host]
+    done.set()
+
+
 def resolve(host: str, timeout: float) -> str:
     """``host``'s address, looked up within ``timeout`` seconds: a number as it is, a name as
     its first IPv4 address, or its first IPv6 one where it has none (ZeroMQ, given a name,
@@ -95,27 +128,26 @@ def resolve(host: str, timeout: float) -> str:
     """
     if _numeric(host):
         return host
-    got: list[Any] = []
-
-    def look() -> None:
-        try:
-            got.append(socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM))
-        except BaseException as e:  # noqa: BLE001  (handed to the caller)
-            got.append(e)
-        done.set()
-
-    done = threading.Event()
-    threading.Thread(target=look, name=f"ctrlcomm-resolve-{host}", daemon=True).start()
-    if not done.wait(max(timeout, 0.0)):
+    with _lookups_lock:
+        entry = _lookups.get(host)
+        fresh = entry is None
+        if entry is None:
+            entry = _lookups[host] = (threading.Event(), [])
+    done, answer = entry
+    if fresh:
+        threading.Thread(target=_look_up, args=(host, answer, done),
+                         name=f"ctrlcomm-resolve-{host}", daemon=True).start()
+    if not done.wait(min(max(timeout, 0.0), threading.TIMEOUT_MAX)):
         raise TimeoutError(f"looking up host {host!r} took longer than {timeout:.3g} s (is "
                            "its DNS server reachable?)")
-    if isinstance(got[0], BaseException):
-        raise got[0]
-    infos = got[0]
+    if isinstance(answer[0], socket.gaierror):  # (one per caller: callers may share it)
+        raise socket.gaierror(answer[0].errno, answer[0].strerror)
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    infos = answer[0]
     if not infos:  # (never, by getaddrinfo's contract)
         raise socket.gaierror(socket.EAI_NONAME, f"{host!r} resolves to no address")
-    info = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
-    return str(info[4][0])
+    return str(infos[0][4][0])
 
 
 def local_address_for(host: str, port: int) -> str:

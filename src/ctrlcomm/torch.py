@@ -12,6 +12,7 @@ Small CPU tensors sent through any ctrlcomm collective arrive as tensors (they a
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import time
@@ -32,6 +33,8 @@ from ._transport import StoreServer, local_address_for, resolve
 
 __all__ = ["group_from_torch", "init_torch_process_group"]
 
+log = logging.getLogger("ctrlcomm")
+
 
 def _default_host(timeout: float) -> str:
     """An address of this machine that the other ranks can reach.
@@ -46,8 +49,10 @@ def _default_host(timeout: float) -> str:
         try:
             return local_address_for(resolve(master, deadline - time.monotonic()),
                                      int(os.environ.get("MASTER_PORT", "29500")))
-        except (OSError, UnicodeError, ValueError):  # (TimeoutError, socket.gaierror)
-            pass
+        except (OSError, UnicodeError, ValueError) as e:  # (TimeoutError, socket.gaierror)
+            log.warning("Group.from_torch: no route to MASTER_ADDR=%r found (%s: %s): the "
+                        "store binds to what this host's name resolves to, or loopback",
+                        master, type(e).__name__, e)
     try:
         return resolve(socket.gethostname(), deadline - time.monotonic())
     except (OSError, UnicodeError):
@@ -57,7 +62,7 @@ def _default_host(timeout: float) -> str:
 def _leader_host(hostname: Any, timeout: float) -> str:
     """The address the leader's store binds to: ``hostname`` looked up (within
     ``timeout``), or :func:`_default_host`."""
-    if hostname is None:
+    if hostname is None or hostname == "":  # ("": as None, as it always was)
         return _default_host(timeout)
     if not isinstance(hostname, str) or not hostname.strip("[]"):
         raise InvalidArgumentError(f"Group.from_torch: hostname must be a host name or "

@@ -726,14 +726,15 @@ def from_torch_leader_fails(rank, size, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)  # (torch's timeout: 30 min)
     t = time.monotonic()
-    try:
-        Group.from_torch(hostname="no.such.host.invalid", name="bad", timeout=20)
+    try:  # (the leader's store cannot encrypt without a key)
+        Group.from_torch(name="bad", timeout=20, encrypt=True, transport="zmq")
         out = {"error": None}
     except Exception as e:
         out = {"error": type(e).__name__, "msg": str(e)}
     out["took"] = time.monotonic() - t
-    with Group.from_torch(hostname="localhost", name="named", timeout=20) as g:
-        out["named"] = (g.all_gather(rank), g._core.ep.address.startswith("tcp://127.0.0.1:"))
+    for hostname in ("localhost", ""):  # ("": the default, as None)
+        with Group.from_torch(hostname=hostname, name=f"named{hostname}", timeout=20) as g:
+            out[hostname] = (g.all_gather(rank), g.store.host)
     dist.destroy_process_group()
     return out
 
@@ -744,15 +745,15 @@ def test_group_from_torch_whose_leader_cannot_serve_the_store_fails_on_every_mem
     broadcast, for torch's timeout: 30 minutes)"""
     pytest.importorskip("torch")
     res = run_ranks(from_torch_leader_fails, 3, free_port(), timeout=120)
-    assert res[0]["error"] == "InvalidArgumentError", res[0]
-    assert "hostname 'no.such.host.invalid' does not resolve" in res[0]["msg"], res[0]
+    assert res[0]["error"] == "CtrlcommError" and "auth_key" in res[0]["msg"], res[0]
     for out in res[1:]:
         assert out["error"] == "FormationError", out
-        assert "leader (global rank 0) could not serve the store: InvalidArgumentError: " \
-               "Group.from_torch: hostname 'no.such.host.invalid'" in out["msg"], out
+        assert "leader (global rank 0) could not serve the store: CtrlcommError: " \
+               "an encrypted store needs an auth_key" in out["msg"], out
         assert out["took"] < 15, out
     for out in res:
-        assert out["named"] == ([0, 1, 2], True), out
+        assert out["localhost"] == ([0, 1, 2], "127.0.0.1"), out  # (the leader's number)
+        assert out[""][0] == [0, 1, 2], out
 
 
 def test_ctrlcomm_torch_without_torch_says_what_to_install():

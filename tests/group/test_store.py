@@ -295,7 +295,34 @@ def test_a_store_timeout_names_the_store(store):
     c.close()
 
 
-def test_group_create_on_a_host_that_does_not_resolve_names_it():
+@pytest.fixture
+def dns(monkeypatch):
+    """This process's resolver, with names under ``.invalid`` unknown (NXDOMAIN) at once and
+    ``slow.example`` answered (as localhost) only once ``dns.answer`` is set: the tests do
+    not hang on the machine's DNS. (Real DNS servers, silent ones included:
+    tests/multihost/test_dns.py.)"""
+    import socket
+
+    real = socket.getaddrinfo
+    answer = threading.Event()
+    calls = []
+
+    def getaddrinfo(host, *args, **kwargs):
+        calls.append(host)
+        if isinstance(host, str) and host.endswith(".invalid"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        if host == "slow.example":
+            answer.wait(30)
+            host = "localhost"
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    getaddrinfo.answer, getaddrinfo.calls = answer, calls
+    yield getaddrinfo
+    answer.set()
+
+
+def test_group_create_on_a_host_that_does_not_resolve_names_it(dns):
     """(before: a bare socket.gaierror naming no host, and on rank 0 "cannot bind store on
     tcp://no.such.host.invalid:P: No such device")"""
     for rank in (0, 1):
@@ -308,7 +335,7 @@ def test_group_create_on_a_host_that_does_not_resolve_names_it():
         assert g.all_reduce(3) == 3
 
 
-def test_a_store_client_on_a_host_that_does_not_resolve_names_it():
+def test_a_store_client_on_a_host_that_does_not_resolve_names_it(dns):
     """(before: the client was made, ZeroMQ kept the name, and its first request said only
     that the store "did not answer within 2.0 s ... is it running?")"""
     with pytest.raises(ctrlcomm.StoreError, match="host 'no.such.host.invalid' does not "
@@ -330,6 +357,55 @@ def test_a_store_client_given_a_name_talks_to_the_store_at_its_address(store):
         c.close()
 
 
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10])
+def test_a_name_is_looked_up_under_a_timeout_too_long_for_a_thread_to_wait(timeout):
+    """(threading's waits take at most TIMEOUT_MAX, 9.2e9 s here: before, such a timeout
+    raised OverflowError wherever the lookup had not returned before the wait began)"""
+    from ctrlcomm._transport import resolve
+
+    for _ in range(3):
+        assert resolve("localhost", timeout) == "127.0.0.1"
+        with ctrlcomm.Group.create("localhost", free_port(), 0, 1, timeout=timeout) as g:
+            assert g.all_reduce(5) == 5
+
+
+def test_callers_of_one_name_share_its_lookup_and_each_keeps_its_deadline(dns):
+    """A resolver that hangs holds one thread per name, however many tries wait on it."""
+    from ctrlcomm._transport import resolve
+
+    def lookups():
+        return [t for t in threading.enumerate() if t.name == "ctrlcomm-resolve-slow.example"]
+
+    got = []
+
+    def attempt(timeout):
+        t = time.monotonic()
+        try:
+            got.append(resolve("slow.example", timeout))
+        except TimeoutError as e:
+            got.append((type(e).__name__, str(e), time.monotonic() - t))
+
+    tries = [threading.Thread(target=attempt, args=(0.3,)) for _ in range(4)]
+    for th in tries:
+        th.start()
+    for th in tries:
+        th.join(10)
+    assert len(got) == 4 and all(g[0] == "TimeoutError" and "'slow.example'" in g[1]
+                                 and g[2] < 3 for g in got), got
+    with pytest.raises(ctrlcomm.StoreTimeoutError, match="looking up host 'slow.example'"):
+        ctrlcomm.StoreClient("slow.example", free_port(), timeout=0.2)
+    assert len(lookups()) == 1 and dns.calls.count("slow.example") == 1
+    waiter = threading.Thread(target=attempt, args=(20,))
+    waiter.start()
+    dns.answer.set()  # (the lookup returns: the one waiting gets its answer)
+    waiter.join(10)
+    assert got[-1] == "127.0.0.1"
+    assert resolve("slow.example", 5) == "127.0.0.1"  # (a new lookup, answered at once)
+    for t in lookups():  # (a lookup's thread ends just after it answers)
+        t.join(5)
+    assert dns.calls.count("slow.example") == 2 and not lookups()
+
+
 def _named(rank, size, port):
     with ctrlcomm.Group.create("localhost", port, rank, size, timeout=20,
                                bind_host="localhost" if rank == 1 else None) as g:
@@ -344,7 +420,7 @@ def test_a_group_on_host_names_forms_and_binds_at_their_addresses():
 
 
 @pytest.mark.parametrize("bind_host", ["no.such.host.invalid", "", None, 7])
-def test_a_bind_host_that_is_no_address_is_named(bind_host):
+def test_a_bind_host_that_is_no_address_is_named(bind_host, dns):
     """(before: a bare socket.gaierror, "Name or service not known", naming nothing)"""
     if bind_host is None:  # (the default: the interface toward the store's host)
         with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, bind_host=bind_host,
