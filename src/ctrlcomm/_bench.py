@@ -686,12 +686,12 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
     from ._transport import StoreServer
 
     check_cfg(cfg)
-    # (StoreError naming a host that does not resolve; a name is looked up once, within
-    # the ranks' wait)
-    host = _store_host(host, port, MULTIHOST_WAIT_S)
     if type(n) is not int or n < 1 or type(rank) is not int or not 0 <= rank < n:
         raise ValueError(f"rank {rank!r} of world size {n!r}: the world size must be >= 1 "
                          "and the rank in [0, world size)")
+    # (StoreError naming a host that does not resolve; a name is looked up once, within
+    # the ranks' wait)
+    host = _store_host(host, port, MULTIHOST_WAIT_S)
     systems = ("ctrlcomm", "ctrlcomm-aio") if cfg.get("aio") else ("ctrlcomm",)
     repeat = max(int(cfg.get("repeat", 1)), 1)
     run_cfg = dict(cfg, ops=ops_at(cfg["ops"], n, stream if rank == 0 else None))

@@ -13,7 +13,6 @@ import logging
 import operator
 import os
 import queue
-import socket
 import threading
 import time
 import weakref
@@ -577,12 +576,12 @@ def _store_host(host: Any, port: Any, timeout: float) -> str:
     host = _check_host(host, "host")
     try:
         return resolve(host, timeout)
-    except (socket.gaierror, UnicodeError) as e:
-        raise StoreError(f"cannot reach the store at {host}:{port}: host {host!r} does not "
-                         f"resolve ({getattr(e, 'strerror', None) or e})") from None
     except TimeoutError as e:
         raise StoreTimeoutError(f"cannot reach the store at {host}:{port}: {e}",
                                 answered=False) from None
+    except (OSError, UnicodeError) as e:  # (socket.gaierror; OSError for EAI_SYSTEM)
+        raise StoreError(f"cannot reach the store at {host}:{port}: host {host!r} does not "
+                         f"resolve ({getattr(e, 'strerror', None) or e})") from None
 
 
 def _bind_address(bind_host: Any, timeout: float) -> str:
@@ -592,7 +591,9 @@ def _bind_address(bind_host: Any, timeout: float) -> str:
     host = _check_host(bind_host, "bind_host")
     try:
         return resolve(host, timeout)
-    except (socket.gaierror, UnicodeError) as e:
+    except TimeoutError:
+        raise
+    except (OSError, UnicodeError) as e:  # (socket.gaierror; OSError for EAI_SYSTEM)
         raise InvalidArgumentError(
             f"bind_host {bind_host!r} does not resolve ({getattr(e, 'strerror', None) or e}): "
             "give an address of this machine, or '0.0.0.0' for every interface") from None

@@ -100,9 +100,9 @@ def _look_up(host: str, answer: list[Any], done: threading.Event) -> None:
         try:  # (IPv4 first, as ZeroMQ and IPv4 sockets ask: /etc/hosts may give a name
             # "::1" alone when asked for any family, and 127.0.0.1 when asked for IPv4)
             infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
-        except socket.gaierror as e:
-            if e.errno in (socket.EAI_AGAIN, socket.EAI_FAIL):  # (the DNS failed: not again)
-                raise
+        except socket.gaierror:
+            # (then any family, even where the IPv4 query failed on a DNS that is down: the
+            # hosts file may hold the name's IPv6 address, and each caller has its deadline)
             infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
         answer.append(infos)
     except BaseException as e:  # noqa: BLE001  (handed to the callers)
@@ -135,11 +135,22 @@ def resolve(host: str, timeout: float) -> str:
             entry = _lookups[host] = (threading.Event(), [])
     done, answer = entry
     if fresh:
-        threading.Thread(target=_look_up, args=(host, answer, done),
-                         name=f"ctrlcomm-resolve-{host}", daemon=True).start()
-    if not done.wait(min(max(timeout, 0.0), threading.TIMEOUT_MAX)):
-        raise TimeoutError(f"looking up host {host!r} took longer than {timeout:.3g} s (is "
-                           "its DNS server reachable?)")
+        try:
+            threading.Thread(target=_look_up, args=(host, answer, done),
+                             name=f"ctrlcomm-resolve-{host}", daemon=True).start()
+        except RuntimeError:  # (no thread can be started: looked up here, without deadline)
+            _look_up(host, answer, done)
+        except BaseException:  # (interrupted: the entry must not stay, waited for forever)
+            answer.append(socket.gaierror(socket.EAI_AGAIN, "the lookup was interrupted"))
+            with _lookups_lock:
+                if _lookups.get(host, (None,))[0] is done:
+                    del _lookups[host]
+            done.set()
+            raise
+    left = max(timeout, 0.0)
+    if not done.wait(min(left, threading.TIMEOUT_MAX)):
+        raise TimeoutError(f"looking up host {host!r} took longer than the {left:.3g} s left "
+                           "(is its DNS server reachable?)")
     if isinstance(answer[0], socket.gaierror):  # (one per caller: callers may share it)
         raise socket.gaierror(answer[0].errno, answer[0].strerror)
     if isinstance(answer[0], BaseException):

@@ -41,7 +41,8 @@ def _default_host(timeout: float) -> str:
 
     The interface toward torchrun's ``MASTER_ADDR`` when it is set (the peers reach that
     network too), else what this host's name resolves to, else loopback. Names are looked up
-    within ``timeout`` seconds in all.
+    within ``timeout`` seconds in all (and a second more for this host's name, where looking
+    ``MASTER_ADDR`` up took them).
     """
     deadline = time.monotonic() + timeout
     master = os.environ.get("MASTER_ADDR")
@@ -53,8 +54,8 @@ def _default_host(timeout: float) -> str:
             log.warning("Group.from_torch: no route to MASTER_ADDR=%r found (%s: %s): the "
                         "store binds to what this host's name resolves to, or loopback",
                         master, type(e).__name__, e)
-    try:
-        return resolve(socket.gethostname(), deadline - time.monotonic())
+    try:  # (a second or more, where looking MASTER_ADDR up took the time)
+        return resolve(socket.gethostname(), max(deadline - time.monotonic(), 1.0))
     except (OSError, UnicodeError):
         return "127.0.0.1"
 

@@ -538,8 +538,9 @@ def test_tensor_methods():
 # --------------------------------------------------------------- AsyncZMQCommunicator
 
 
-def megatron(rank, size, port, use_subgroup):
+def megatron(rank, size, port, use_subgroup, marks):
     import os
+    import time
 
     import torch.distributed as dist
     import zmq
@@ -560,19 +561,31 @@ def megatron(rank, size, port, use_subgroup):
     big = 2**40 + rank
 
     async def main():
-        ticks = 0
+        ticks = 0  # (turns of the loop while this rank waits in its first call)
+        waiting = False
         stop = asyncio.Event()
+        mark = os.path.join(marks, str(comm.rank))
 
         async def ticker():
             nonlocal ticks
             while not stop.is_set():
-                ticks += 1
+                if waiting:
+                    ticks += 1
+                    if ticks == 3:  # (its loop turns while it waits: the leader may come)
+                        os.close(os.open(mark, os.O_CREAT | os.O_WRONLY))
                 await asyncio.sleep(0.005)
 
         task = asyncio.create_task(ticker())
         if comm.rank == 0:
-            await asyncio.sleep(0.3)  # the leader is late: the others' loops must keep ticking
+            # the leader is late: it comes once the others' loops have turned while they
+            # waited for it (never, were their waits to block their loops)
+            others = [os.path.join(marks, str(r)) for r in range(1, 3 if use_subgroup else 4)]
+            until = time.monotonic() + 30
+            while not all(map(os.path.exists, others)) and time.monotonic() < until:  # noqa: ASYNC110  (files of other processes)
+                await asyncio.sleep(0.01)
+        waiting = True
         one = await comm.all_reduce_max(-rank - 5)
+        waiting = False
         two = await comm.all_reduce_max(rank, big)
         mins = await comm.all_reduce_min(rank, -big)
         sums = await comm.all_reduce_sum(1)
@@ -597,9 +610,9 @@ def megatron(rank, size, port, use_subgroup):
 
 @pytest.mark.torch
 @pytest.mark.parametrize("use_subgroup", [False, True])
-def test_async_zmq_communicator(use_subgroup):
+def test_async_zmq_communicator(use_subgroup, tmp_path):
     pytest.importorskip("torch")
-    res = run_ranks(megatron, 4, free_port(), use_subgroup, timeout=120)
+    res = run_ranks(megatron, 4, free_port(), use_subgroup, str(tmp_path), timeout=120)
     members = [1, 2, 3] if use_subgroup else [0, 1, 2, 3]
     big = 2**40
     for r in members:
@@ -612,7 +625,7 @@ def test_async_zmq_communicator(use_subgroup):
         assert "at least one value" in res[r]["empty"]
         assert res[r]["leader"] == (r == members[0])
         if r != members[0]:
-            assert ticks >= 20, f"rank {r}'s loop ticked {ticks} times while waiting"
+            assert ticks >= 3, f"rank {r}'s loop turned {ticks} times while it waited"
 
 
 def megatron_single(rank, size, port):
@@ -724,6 +737,7 @@ def from_torch_leader_fails(rank, size, port):
     from ctrlcomm import Group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("CTRLCOMM_AUTH_KEY", None)  # (the leader's store must have no key)
     dist.init_process_group("gloo", rank=rank, world_size=size)  # (torch's timeout: 30 min)
     t = time.monotonic()
     try:  # (the leader's store cannot encrypt without a key)

@@ -357,6 +357,42 @@ def test_a_store_client_given_a_name_talks_to_the_store_at_its_address(store):
         c.close()
 
 
+def _waits_in_resolve(thread):
+    """Whether ``thread`` waits for a lookup's answer, in resolve."""
+    import sys
+
+    f = sys._current_frames().get(thread.ident)
+    while f is not None:
+        if f.f_code.co_name == "wait" and f.f_back is not None \
+                and f.f_back.f_code.co_name == "resolve":
+            return True
+        f = f.f_back
+    return False
+
+
+def test_a_lookup_where_no_thread_can_start_is_made_in_the_caller(dns, monkeypatch):
+    """(before: the name's entry stayed, and every later lookup of it in the process waited
+    for a thread that never ran, until its deadline)"""
+    import socket
+
+    from ctrlcomm import _transport
+
+    start = threading.Thread.start
+
+    def refused(self):
+        if self.name.startswith("ctrlcomm-resolve-"):
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    assert _transport.resolve("localhost", 1) == "127.0.0.1"
+    with pytest.raises(socket.gaierror, match="not known"):  # (as from the thread)
+        _transport.resolve("no.such.host.invalid", 1)
+    assert not _transport._lookups
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert _transport.resolve("localhost", 1) == "127.0.0.1"
+
+
 @pytest.mark.parametrize("timeout", [float("inf"), 1e10])
 def test_a_name_is_looked_up_under_a_timeout_too_long_for_a_thread_to_wait(timeout):
     """(threading's waits take at most TIMEOUT_MAX, 9.2e9 s here: before, such a timeout
@@ -397,6 +433,10 @@ def test_callers_of_one_name_share_its_lookup_and_each_keeps_its_deadline(dns):
     assert len(lookups()) == 1 and dns.calls.count("slow.example") == 1
     waiter = threading.Thread(target=attempt, args=(20,))
     waiter.start()
+    until = time.monotonic() + 10
+    while not _waits_in_resolve(waiter) and time.monotonic() < until:
+        time.sleep(0.005)
+    assert dns.calls.count("slow.example") == 1  # (it waits on the lookup there was)
     dns.answer.set()  # (the lookup returns: the one waiting gets its answer)
     waiter.join(10)
     assert got[-1] == "127.0.0.1"

@@ -29,14 +29,18 @@ pytestmark = [
 NS = f"ccdns{os.getpid() % 100000}"
 RESOLVER_S = 12
 
+# answers nothing, but SERVFAIL (the DNS is down) to a query for a name that begins "down."
 SILENT_DNS = """
 import socket
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("127.0.0.1", 53))
 print("ready", flush=True)
 while True:
-    s.recv(4096)
+    q, peer = s.recvfrom(4096)
+    if q[12:17] == b"\\x04down":
+        s.sendto(q[:2] + b"\\x81\\x82" + q[4:6] + bytes(6) + q[12:], peer)
 """
+V6_ONLY = "fd00::81"  # (this name's address in the hosts file, on the namespace's loopback)
 
 
 def sh(*cmd, check=True):
@@ -46,6 +50,7 @@ def sh(*cmd, check=True):
 @pytest.fixture(scope="module")
 def dark_dns():
     conf = Path("/etc/netns") / NS  # (`ip netns exec` mounts its files over /etc's)
+    sh("ip", "netns", "del", NS, check=False)  # (one a killed run left)
     sh("ip", "netns", "add", NS)
     dns = None
     try:
@@ -55,7 +60,9 @@ def dark_dns():
                                           f"options timeout:{RESOLVER_S} attempts:1\n")
         (conf / "hosts").write_text(f"127.0.0.1 localhost {socket.gethostname()}\n"
                                     "::1 localhost ip6-localhost ip6-loopback\n"
-                                    "::ffff:127.0.0.1 localhost\n")
+                                    "::ffff:127.0.0.1 localhost\n"
+                                    f"{V6_ONLY} down.v6only.example\n")
+        sh("ip", "netns", "exec", NS, "ip", "-6", "addr", "add", f"{V6_ONLY}/128", "dev", "lo")
         dns = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-c", SILENT_DNS],
                                stdout=subprocess.PIPE, text=True)
         assert dns.stdout.readline().strip() == "ready"
@@ -199,3 +206,24 @@ def test_from_torch_gives_up_on_a_hostname_at_its_deadline(dark_dns):
     assert got["error"] == "FormationTimeoutError" and got["formation"], got
     assert "hostname" in got["msg"] and "'store.example'" in got["msg"], got
     assert got["took"] < 2 + 5, got
+
+
+def test_a_name_the_hosts_file_gives_an_ipv6_address_alone_resolves_while_dns_is_down(
+        dark_dns):
+    """(before: the IPv4 query, which goes on to the DNS, failed "temporarily", and the
+    query for any family, which the hosts file answers, was not made)"""
+    got = in_dark(dark_dns, """
+        import socket
+        from ctrlcomm._transport import resolve
+        ipv4 = attempt(lambda: socket.getaddrinfo("down.v6only.example", None,
+                                                  socket.AF_INET))
+
+        def group():
+            with ctrlcomm.Group.create("down.v6only.example", free_port(), 0, 1,
+                                       timeout=5) as g:
+                assert g.all_reduce(1) == 1
+        print(json.dumps({"ipv4": ipv4, "address": resolve("down.v6only.example", 5),
+                          "group": attempt(group)}))
+    """)
+    assert got["ipv4"]["error"] == "gaierror" and got["ipv4"]["took"] < 2, got  # (SERVFAIL)
+    assert got["address"] == V6_ONLY and got["group"]["error"] is None, got
