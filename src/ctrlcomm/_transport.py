@@ -184,8 +184,6 @@ def _is_v6(endpoint: str) -> bool:
     return endpoint.startswith("tcp://[")
 
 
-
-
 # ------------------------------------------------------------------ CurveZMQ encryption
 
 
