@@ -18,13 +18,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from netns import MARKS, sh
 
-pytestmark = [
-    pytest.mark.multihost,
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                       reason="needs root and iproute2 to make a network namespace"),
-]
+pytestmark = MARKS
 
 NS = f"ccdns{os.getpid() % 100000}"
 RESOLVER_S = 12
@@ -41,10 +37,6 @@ while True:
         s.sendto(q[:2] + b"\\x81\\x82" + q[4:6] + bytes(6) + q[12:], peer)
 """
 V6_ONLY = "fd00::81"  # (this name's address in the hosts file, on the namespace's loopback)
-
-
-def sh(*cmd, check=True):
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

@@ -13,23 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
+from netns import MARKS, sh
 
-pytestmark = [
-    pytest.mark.multihost,
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                       reason="needs root and iproute2 to make network namespaces"),
-]
+pytestmark = MARKS
 
 PREFIX = f"cc{os.getpid() % 10000}"
 SW = f"{PREFIX}sw"
 HOSTS = [f"{PREFIX}h{i}" for i in (1, 2, 3)]
 ADDR = [f"10.213.{os.getpid() % 200}.{i}" for i in (1, 2, 3)]
 RANK = Path(__file__).with_name("netns_rank.py")
-
-
-def sh(*cmd, check=True):
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
 def ns(host, *cmd, check=True):
