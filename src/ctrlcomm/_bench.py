@@ -682,7 +682,7 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
     group of their own. Rank 0 shows a progress bar on ``stream``.
     """
     from . import Group
-    from ._group import _store_host
+    from ._store import _store_host
     from ._transport import StoreServer
 
     check_cfg(cfg)

@@ -37,7 +37,7 @@ from ._errors import (
     StoreTimeoutError,
     show,
 )
-from ._store import StoreClient, _secs, port_arg
+from ._store import StoreClient, _check_host, _secs, _store_host, port_arg
 from ._transport import (
     Heartbeat,
     StoreServer,
@@ -561,41 +561,18 @@ def _group_id(name: str, nonce: str) -> int:
                           "little")
 
 
-def _check_host(host: Any, what: str) -> str:
-    """``host``, a str (an IPv6 address in brackets, as in a URL, without them)."""
-    if not isinstance(host, str) or not host.strip("[]"):
-        raise InvalidArgumentError(f"{what} must be a host name or address (a str), got "
-                                   f"{show(host)}")
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def _store_host(host: Any, port: Any, timeout: float) -> str:
-    """The store's address: ``host`` checked, a name looked up within ``timeout`` seconds.
-    Raises StoreError where it does not resolve, StoreTimeoutError where the lookup took
-    longer (see _transport.resolve)."""
-    host = _check_host(host, "host")
-    try:
-        return resolve(host, timeout)
-    except TimeoutError as e:
-        raise StoreTimeoutError(f"cannot reach the store at {host}:{port}: {e}",
-                                answered=False) from None
-    except (OSError, UnicodeError) as e:  # (socket.gaierror; OSError for EAI_SYSTEM)
-        raise StoreError(f"cannot reach the store at {host}:{port}: host {host!r} does not "
-                         f"resolve ({getattr(e, 'strerror', None) or e})") from None
-
-
-def _bind_address(bind_host: Any, timeout: float) -> str:
-    """``bind_host`` checked, as an address (a name looked up within ``timeout`` seconds):
-    InvalidArgumentError where it does not resolve, TimeoutError where the lookup took
-    longer."""
-    host = _check_host(bind_host, "bind_host")
+def _bind_address(bind_host: Any, timeout: float, what: str = "bind_host") -> str:
+    """``bind_host`` (an address to bind to, named ``what`` in errors) checked, as an
+    address (a name looked up within ``timeout`` seconds): InvalidArgumentError where it
+    does not resolve, TimeoutError where the lookup took longer."""
+    host = _check_host(bind_host, what)
     try:
         return resolve(host, timeout)
     except TimeoutError:
         raise
     except (OSError, UnicodeError) as e:  # (socket.gaierror; OSError for EAI_SYSTEM)
         raise InvalidArgumentError(
-            f"bind_host {bind_host!r} does not resolve ({getattr(e, 'strerror', None) or e}): "
+            f"{what} {bind_host!r} does not resolve ({getattr(e, 'strerror', None) or e}): "
             "give an address of this machine, or '0.0.0.0' for every interface") from None
 
 

@@ -247,6 +247,31 @@ def _key_list(keys: Any, op: str) -> Sequence[str | bytes]:
 REPLY_SLACK_S = 1.0
 
 
+def _check_host(host: Any, what: str) -> str:
+    """``host``, a str (an IPv6 address in brackets, as in a URL, without them)."""
+    if not isinstance(host, str) or not host.strip("[]"):
+        raise InvalidArgumentError(f"{what} must be a host name or address (a str), got "
+                                   f"{show(host)}")
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _store_host(host: Any, port: Any, timeout: float) -> str:
+    """The store's address: ``host`` checked, a name looked up within ``timeout`` seconds.
+    Raises StoreError where it does not resolve, StoreTimeoutError where the lookup took
+    longer (see _transport.resolve)."""
+    from ._transport import resolve
+
+    host = _check_host(host, "host")
+    try:
+        return resolve(host, timeout)
+    except TimeoutError as e:
+        raise StoreTimeoutError(f"cannot reach the store at {host}:{port}: {e}",
+                                answered=False) from None
+    except (OSError, UnicodeError) as e:  # (socket.gaierror; OSError for EAI_SYSTEM)
+        raise StoreError(f"cannot reach the store at {host}:{port}: host {host!r} does not "
+                         f"resolve ({getattr(e, 'strerror', None) or e})") from None
+
+
 class StoreClient:
     """Client of a ctrlcomm store at ``(host, port)``. Every call has a deadline.
 
@@ -266,29 +291,20 @@ class StoreClient:
     def __init__(self, host: str, port: int, *, timeout: float = 300.0, prefix: str = "",
                  auth_key: bytes | str | None = None, encrypt: bool = False,
                  _address: str | None = None) -> None:
-        from ._transport import StoreConnection, resolve
+        from ._transport import StoreConnection
 
-        if not isinstance(host, str) or not host.strip("[]"):
-            raise InvalidArgumentError(f"store: host must be a host name or address (a str), "
-                                       f"got {show(host)}")
+        _check_host(host, "store: host")
         self.host, self.port, self.prefix = host, port_arg(port, "store: port"), prefix
         self.timeout = _timeout(timeout, "client")
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
         if encrypt and not key:
             raise InvalidArgumentError("an encrypted store connection needs an auth_key")
         self.encrypt = encrypt
-        # a name is looked up here, within the timeout (see resolve), and ZeroMQ given the
-        # number: it would look the name up without a deadline, at every reconnection too
-        # (_address: ``host``'s, looked up by the caller already; ``host`` is named in errors)
-        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        try:
-            address = _address or resolve(bare, self.timeout)
-        except TimeoutError as e:
-            raise StoreTimeoutError(f"cannot reach the store at {host}:{self.port}: {e}",
-                                    answered=False) from None
-        except (OSError, UnicodeError) as e:  # (socket.gaierror)
-            raise StoreError(f"cannot reach the store at {host}:{self.port}: host {bare!r} "
-                             f"does not resolve ({getattr(e, 'strerror', None) or e})") from None
+        # a name is looked up here, within the timeout (see _transport.resolve), and ZeroMQ
+        # given the number: it would look the name up without a deadline, at every
+        # reconnection too (_address: ``host``'s, looked up by the caller already; ``host``
+        # is named in errors)
+        address = _address or _store_host(host, self.port, self.timeout)
         self._conn = StoreConnection(address, self.port, key or None, encrypt)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # (held by the call in progress)

@@ -95,7 +95,18 @@ def _forget_lookups() -> None:
 os.register_at_fork(after_in_child=_forget_lookups)
 
 
+def _answer(host: str, answer: list[Any], done: threading.Event, value: Any) -> None:
+    """Give the callers waiting on ``host``'s lookup its answer (addresses, or what was
+    raised), and forget the lookup: the next caller starts another."""
+    answer.append(value)
+    with _lookups_lock:
+        if _lookups.get(host, (None,))[0] is done:
+            del _lookups[host]
+    done.set()
+
+
 def _look_up(host: str, answer: list[Any], done: threading.Event) -> None:
+    value: Any
     try:
         try:  # (IPv4 first, as ZeroMQ and IPv4 sockets ask: /etc/hosts may give a name
             # "::1" alone when asked for any family, and 127.0.0.1 when asked for IPv4)
@@ -104,13 +115,10 @@ def _look_up(host: str, answer: list[Any], done: threading.Event) -> None:
             # (then any family, even where the IPv4 query failed on a DNS that is down: the
             # hosts file may hold the name's IPv6 address, and each caller has its deadline)
             infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
-        answer.append(infos)
+        value = infos
     except BaseException as e:  # noqa: BLE001  (handed to the callers)
-        answer.append(e)
-    with _lookups_lock:
-        if _lookups.get(host, (None,))[0] is done:
-            del _lookups[host]
-    done.set()
+        value = e
+    _answer(host, answer, done, value)
 
 
 def resolve(host: str, timeout: float) -> str:
@@ -141,11 +149,8 @@ def resolve(host: str, timeout: float) -> str:
         except RuntimeError:  # (no thread can be started: looked up here, without deadline)
             _look_up(host, answer, done)
         except BaseException:  # (interrupted: the entry must not stay, waited for forever)
-            answer.append(socket.gaierror(socket.EAI_AGAIN, "the lookup was interrupted"))
-            with _lookups_lock:
-                if _lookups.get(host, (None,))[0] is done:
-                    del _lookups[host]
-            done.set()
+            _answer(host, answer, done,
+                    socket.gaierror(socket.EAI_AGAIN, "the lookup was interrupted"))
             raise
     left = max(timeout, 0.0)
     if not done.wait(min(left, threading.TIMEOUT_MAX)):

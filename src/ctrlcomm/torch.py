@@ -28,7 +28,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from ._errors import FormationError, FormationTimeoutError, InvalidArgumentError
-from ._group import Group, _timeout_arg
+from ._group import Group, _bind_address, _timeout_arg
 from ._transport import StoreServer, local_address_for, resolve
 
 __all__ = ["group_from_torch", "init_torch_process_group"]
@@ -65,17 +65,10 @@ def _leader_host(hostname: Any, timeout: float) -> str:
     ``timeout``), or :func:`_default_host`."""
     if hostname is None or hostname == "":  # ("": as None, as it always was)
         return _default_host(timeout)
-    if not isinstance(hostname, str) or not hostname.strip("[]"):
-        raise InvalidArgumentError(f"Group.from_torch: hostname must be a host name or "
-                                   f"address (a str), got {hostname!r}")
-    bare = hostname[1:-1] if hostname.startswith("[") and hostname.endswith("]") else hostname
     try:
-        return resolve(bare, timeout)
+        return _bind_address(hostname, timeout, "Group.from_torch: hostname")
     except TimeoutError as e:
         raise FormationTimeoutError(f"Group.from_torch: hostname: {e}") from None
-    except (OSError, UnicodeError) as e:
-        raise InvalidArgumentError(f"Group.from_torch: hostname {hostname!r} does not resolve "
-                                   f"({getattr(e, 'strerror', None) or e})") from None
 
 
 def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
