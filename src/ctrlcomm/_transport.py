@@ -48,7 +48,7 @@ import zmq
 import zmq.utils.z85
 
 from . import _wire as w
-from ._errors import CtrlcommError, StoreError, WireError
+from ._errors import CtrlcommError, StoreError, StoreTimeoutError, WireError
 
 _ctx: zmq.Context[Any] | None = None
 _ctx_pid = -1
@@ -589,17 +589,42 @@ MAX_POLL_MS = 3_600_000
 MAX_POLL_S = MAX_POLL_MS / 1000
 
 
+# How long StoreServer waits for the lookup of a host name it is to bind (by default).
+BIND_LOOKUP_S = 30.0
+
+
+def _bind_host(host: str, port: int, timeout: float) -> str:
+    """What ZeroMQ is given to bind for ``host``: an address, ``*`` or an interface's name
+    (``eth0``) as they are; a host name looked up here, within ``timeout`` seconds (ZeroMQ
+    would look it up itself, without a deadline: see :func:`resolve`)."""
+    if not isinstance(host, str) or not host:
+        raise StoreError(f"cannot bind store: host must be a non-empty str, got {host!r}")
+    if host == "*" or _numeric(host) or host in {n for _, n in socket.if_nameindex()}:
+        return host
+    try:
+        return resolve(host, timeout)
+    except TimeoutError as e:
+        raise StoreTimeoutError(f"cannot bind store on {host}:{port}: {e}",
+                                answered=False) from None
+    except (OSError, UnicodeError) as e:
+        raise StoreError(f"cannot bind store on {host}:{port}: {host!r} is not an address, "
+                         f"an interface of this host or a name that resolves ({e})") from None
+
+
 class StoreServer:
     """A rendezvous store served from a daemon thread of this process.
 
     Args:
-        host: address to bind (``"0.0.0.0"`` binds every interface: an explicit opt-in).
+        host: address to bind (``"0.0.0.0"`` binds every interface: an explicit opt-in), an
+            interface's name, or a host name (looked up within ``lookup_timeout`` seconds;
+            :class:`StoreTimeoutError` past it).
         port: port to bind; 0 picks a free one (see :attr:`port`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  listen_socket: socket.socket | None = None,
-                 auth_key: bytes | str | None = None, encrypt: bool = False) -> None:
+                 auth_key: bytes | str | None = None, encrypt: bool = False,
+                 lookup_timeout: float = BIND_LOOKUP_S) -> None:
         from ._store import StoreState
 
         ctx = context()
@@ -620,7 +645,11 @@ class StoreServer:
             # ZeroMQ closes what it is given, so it gets its own copy of the descriptor
             host, port = listen_socket.getsockname()[:2]
             self.sock.setsockopt(zmq.USE_FD, os.dup(listen_socket.fileno()))
-        addr = _tcp(host, port or "*")
+        try:
+            addr = _tcp(_bind_host(host, port, lookup_timeout), port or "*")
+        except BaseException:
+            self.sock.close(0)
+            raise
         if _is_v6(addr):
             self.sock.setsockopt(zmq.IPV6, 1)
         # ZeroMQ releases a listener asynchronously: an address this process just closed may

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -472,6 +473,33 @@ def test_a_bind_host_that_is_no_address_is_named(bind_host, dns):
         ctrlcomm.Group.create("127.0.0.1", port, 0, 1, bind_host=bind_host, timeout=5)
     with ctrlcomm.Group.create("127.0.0.1", port, 0, 1, timeout=5) as g:  # (nothing left)
         assert g.all_reduce(1) == 1
+
+
+def test_a_store_server_binds_a_host_name_within_its_lookup_timeout(dns):
+    """A name is looked up by the server (ZeroMQ, given it, looks it up in bind() without a
+    deadline: seen in strace, a DNS query); an interface's name and numbers go to ZeroMQ as
+    they are. (before: slow.example held the constructor until its resolver answered, and a
+    name that does not resolve gave "No such device")"""
+    with ctrlcomm.StoreServer("localhost", 0) as srv:  # (looked up: 127.0.0.1)
+        c = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=5)
+        c.set("k", b"v")
+        assert c.get("k") == b"v"
+        c.close()
+    assert "localhost" in dns.calls
+    lo = socket.if_nameindex()[0][1]  # (an interface's name: not looked up)
+    ctrlcomm.StoreServer(lo, 0).close()
+    assert lo not in dns.calls
+    t = time.monotonic()
+    with pytest.raises(ctrlcomm.StoreTimeoutError, match="slow.example.*took longer than"):
+        ctrlcomm.StoreServer("slow.example", 0, lookup_timeout=0.3)
+    assert time.monotonic() - t < 3
+    with pytest.raises(ctrlcomm.StoreError, match="'no.such.host.invalid' is not an address"):
+        ctrlcomm.StoreServer("no.such.host.invalid", 0)
+    for bad in ("", None):
+        with pytest.raises(ctrlcomm.StoreError, match="host must be a non-empty str"):
+            ctrlcomm.StoreServer(bad, 0)
+    dns.answer.set()  # (slow.example answers now: localhost, bound)
+    ctrlcomm.StoreServer("slow.example", 0).close()
 
 
 def test_a_rank_whose_store_host_rank_0_never_came_gets_a_formation_timeout_naming_it():

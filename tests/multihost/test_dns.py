@@ -127,6 +127,17 @@ def test_a_store_client_gives_up_on_a_name_at_its_timeout(dark_dns):
     assert got["took"] < 2 + 5, got
 
 
+def test_a_store_server_gives_up_on_a_name_at_its_lookup_timeout(dark_dns):
+    """(before: ZeroMQ's bind() looked the name up itself, for the resolver's 12 s)"""
+    got = in_dark(dark_dns, """
+        print(json.dumps(attempt(lambda: ctrlcomm.StoreServer("store.example", 0,
+                                                              lookup_timeout=2))))
+    """)
+    assert got["error"] == "StoreTimeoutError" and got["store"], got
+    assert "store.example" in got["msg"], got
+    assert got["took"] < 2 + 5, got
+
+
 def test_a_bind_host_name_is_looked_up_within_formation_deadline(dark_dns):
     """(the store on a number, the rank's bind_host a name; and a group formed right after
     in the same process, on numbers, is not held up by the lookup left behind)"""
