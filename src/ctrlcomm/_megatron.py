@@ -12,7 +12,7 @@ instead of mixing values. ``all_reduce_min``, ``all_reduce_sum``, ``broadcast`` 
 
 from __future__ import annotations
 
-import numbers
+import operator
 from typing import Any
 
 from ._errors import InvalidArgumentError, show
@@ -21,11 +21,17 @@ from ._errors import InvalidArgumentError, show
 def _values(name: str, vals: tuple[Any, ...]) -> tuple[int, ...]:
     if not vals:
         raise InvalidArgumentError(f"{name} needs at least one value")
+    out = []
     for v in vals:
-        if not isinstance(v, numbers.Integral):
-            raise InvalidArgumentError(f"{name}: values must be ints, got {show(v)} "
-                                       f"({type(v).__name__})")
-    return tuple(int(v) for v in vals)
+        # what the original's struct.pack("!i") takes: anything with __index__ (numpy ints,
+        # a one-element integer tensor), not a float
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            raise InvalidArgumentError(f"{name}: values must be ints (or have __index__: a "
+                                       f"numpy int, a one-element integer tensor), got "
+                                       f"{show(v)} ({type(v).__name__})") from None
+    return tuple(out)
 
 
 def _shape(result: tuple[int, ...]) -> int | tuple[int, ...]:

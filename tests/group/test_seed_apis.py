@@ -597,6 +597,8 @@ def megatron(rank, size, port, use_subgroup, marks):
 
     out["async"] = asyncio.run(main())
     out["sync"] = comm.sync_all_reduce_max(rank, -(2**35))
+    import torch  # (what the original's struct.pack("!i") takes: __index__)
+    out["tensor"] = comm.sync_all_reduce_max(torch.tensor(rank), torch.tensor([-rank]))
     try:
         comm.sync_all_reduce_max()
     except ValueError as e:
@@ -622,6 +624,8 @@ def test_async_zmq_communicator(use_subgroup, tmp_path):
         assert mins == (min(members), -big - max(members))
         assert sums == len(members) and b == "hi"
         assert res[r]["sync"] == (max(members), -(2**35))
+        assert res[r]["tensor"] == (max(members), -min(members))
+        assert all(type(v) is int for v in res[r]["tensor"])
         assert "at least one value" in res[r]["empty"]
         assert res[r]["leader"] == (r == members[0])
         if r != members[0]:
@@ -637,8 +641,18 @@ def megatron_single(rank, size, port):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
+    import numpy as np
+    import torch
+
     comm = AsyncZMQCommunicator(None, None)
     out = asyncio.run(comm.all_reduce_max(3, 2**50)), comm.sync_all_reduce_max(9)
+    # values as the original takes them (struct.pack("!i"): anything with __index__)
+    out += (comm.sync_all_reduce_max(np.int32(4), torch.tensor(5), torch.tensor([6]), True),)
+    for bad in (1.5, torch.tensor(2.0), torch.tensor([1, 2]), "3"):
+        try:
+            comm.sync_all_reduce_max(1, bad)
+        except ctrlcomm.InvalidArgumentError as e:
+            out += (str(e),)
     comm.close()
     dist.destroy_process_group()
     return out
@@ -647,7 +661,11 @@ def megatron_single(rank, size, port):
 @pytest.mark.torch
 def test_async_zmq_communicator_world_of_one():
     pytest.importorskip("torch")
-    assert run_ranks(megatron_single, 1, free_port()) == [((3, 2**50), 9)]
+    [res] = run_ranks(megatron_single, 1, free_port())
+    assert res[:3] == ((3, 2**50), 9, (4, 5, 6, 1)) and len(res) == 7, res
+    assert all(type(v) is int for v in res[2])
+    for msg in res[3:]:
+        assert "sync_all_reduce_max: values must be ints" in msg, msg
 
 
 # -------------------------------------------------------------------------- torch interop
