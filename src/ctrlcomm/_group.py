@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import ipaddress
 import logging
 import operator
 import os
@@ -660,6 +661,9 @@ class Group:
 
         Args:
             host: the store's address. By default rank 0 hosts the store there.
+                ``"0.0.0.0"`` (or ``"::"``, on the store's host): the store, and the ranks
+                given it, listen on every interface, and ranks on other hosts, given an
+                address of that host, reach them there (as TRL's vLLM workers and trainer do).
             port: the store's port.
             rank: this process's rank, ``0 <= rank < world_size``.
             world_size: number of ranks.
@@ -771,9 +775,15 @@ class Group:
         try:
             store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/",
                                 auth_key=key, encrypt=encrypt, _address=store_address)
+            # a store on every interface (host "0.0.0.0", as TRL's vLLM workers give it):
+            # this rank is on the store's host (where a connection to 0.0.0.0 goes), and the
+            # ranks elsewhere reach it by their own store address, which may be any interface
+            # of this host: it binds every interface too, and publishes "*" for its address
+            # (each peer reads the address it reaches the store by: _reachable)
+            wild = store_address in _WILDCARDS
             if bind_host is None:
-                bind_host = local_address_for(store_address, port)
-            elif bind_host in ("0.0.0.0", "::") and not key:
+                bind_host = store_address if wild else local_address_for(store_address, port)
+            if bind_host in _WILDCARDS and not key:
                 log.warning("group %r binds every interface (%r) without an auth_key: anyone "
                             "who reaches this host can send frames to it", name, bind_host)
             ep = make_endpoint(transport, bind_host, zmq_context=zmq_context, encrypt=encrypt)
@@ -790,10 +800,11 @@ class Group:
             # (and the wire format's version: a peer of another reads none of its messages)
             alike = f"ws:{world_size} codec:{codec} tr:{transport} wire:{w.VERSION}"
             address = ep.address
-            if bind_host in ("0.0.0.0", "::"):
+            if bind_host in _WILDCARDS:
                 # bound to every interface: peers are told the one that reaches the store
-                # (the address bound, 0.0.0.0, would send a peer elsewhere to its own host)
-                address = _tcp(local_address_for(store_address, port),
+                # (the address bound, 0.0.0.0, would send a peer elsewhere to its own host),
+                # or, where the store is on every interface too, "*" (see above)
+                address = _tcp("*" if wild else local_address_for(store_address, port),
                                _parse_tcp(address)[1][1])
             # ("join:": this try's own, so that no later try reads this one's table as its
             # own, were its ports the same again)
@@ -810,9 +821,17 @@ class Group:
                     e.args = (f"{e.args[0]} (the store here dropped "
                               f"{server.dropped - dropped} requests it could not authenticate "
                               "meanwhile: is a rank created with another auth_key, or none?)",)
+                if server is not None and e.missing and e.args \
+                        and ipaddress.ip_address(store_address).is_loopback:
+                    # (vLLM's TCPStore listens on every interface whatever its host: a rank
+                    # 0 given 127.0.0.1 there reaches ranks given this host's address)
+                    e.args = (f"{e.args[0]} (if they run on other hosts: the store here "
+                              f"listens on the loopback address {store_address} only, which "
+                              "they cannot reach; give rank 0 an address of this host that "
+                              "they reach, or '0.0.0.0')",)
                 raise
             fields = {r: line.split(" ") for r, line in table.items()}
-            peers = {r: f[0] for r, f in fields.items()}
+            peers = {r: _reachable(f[0], store_address) for r, f in fields.items()}
 
             def extra(prefix: str) -> dict[int, str]:
                 return {r: x for r, f in fields.items() for x in f[2:] if x.startswith(prefix)}
@@ -1160,6 +1179,20 @@ class AioGroup:
 
 def _host_of(endpoint: str) -> str:
     return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
+_WILDCARDS = ("0.0.0.0", "::")
+
+
+def _reachable(endpoint: str, store_address: str) -> str:
+    """A peer's published address as this rank connects to it: as it is, but for ``*``, a
+    rank on the store's host bound to every interface, reached at the address this rank
+    reaches the store by (the loopback where that is a wildcard too: this rank is on that
+    host)."""
+    if not endpoint.startswith("tcp://*:"):
+        return endpoint
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(store_address, store_address)
+    return _tcp(host, endpoint.rsplit(":", 1)[1])
 
 
 def _missing_ranks(store: StoreClient, ranks: Sequence[int], budget: float, token: str

@@ -163,3 +163,69 @@ def test_five_percent_packet_loss_is_slower_not_wrong(net):
     finally:
         for h in HOSTS:
             ns(h, "nft", "delete", "table", "inet", "ccloss", check=False)
+
+
+TRL_RANK = """
+import json, sys
+import ctrlcomm
+host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+pg = ctrlcomm.StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=3,
+                                           store_timeout=30)
+uid = pg.broadcast_obj(b"nccl-unique-id" if rank == 0 else None, src=0)
+ranks = pg.all_gather_obj(rank)
+pg.send_obj(rank, dst=(rank + 1) % 3)
+prev = pg.recv_obj(src=(rank + 2) % 3)
+pg.barrier(timeout=30)
+print(json.dumps({"uid": uid.decode(), "ranks": ranks, "prev": prev}), flush=True)
+"""
+
+
+def test_workers_on_every_interface_and_a_trainer_elsewhere(net):
+    """TRL's weight sync: the vLLM workers (ranks 0 and 1, on host 1) create their
+    StatelessProcessGroup with host "0.0.0.0"; the trainer (rank 2, on host 2) with host 1's
+    address. (before: rank 0 bound its socket to the loopback and published 127.0.0.1,
+    where rank 2 found nothing: "rank 0 is gone (cannot connect to tcp://127.0.0.1:...)")"""
+    port = 29713
+    where = [(HOSTS[0], "0.0.0.0"), (HOSTS[0], "0.0.0.0"), (HOSTS[1], ADDR[0])]
+    procs = [subprocess.Popen(["ip", "netns", "exec", h, sys.executable, "-c", TRL_RANK, host,
+                               str(port), str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for r, (h, host) in enumerate(where)]
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, f"rank {r}: {err}"
+            got = json.loads(out.strip().splitlines()[-1])
+            assert got == {"uid": "nccl-unique-id", "ranks": [0, 1, 2], "prev": (r + 2) % 3}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # by pid: only processes this test started
+            p.wait(10)
+
+
+def test_a_rank_0_on_the_loopback_says_why_ranks_elsewhere_do_not_join(net):
+    """vLLM's TCPStore listens on every interface whatever its host, so a rank 0 given
+    127.0.0.1 there meets ranks given its host's address; ctrlcomm's store listens where it
+    is told. Rank 0's timeout says so (before: "ranks [1] did not join", and nothing more)."""
+    port = 29714
+    code = """
+import sys, ctrlcomm
+try:
+    ctrlcomm.Group.create(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 2, timeout=3)
+except ctrlcomm.FormationTimeoutError as e:
+    print(type(e).__name__, e.missing, e, flush=True)
+"""
+    procs = [subprocess.Popen(["ip", "netns", "exec", h, sys.executable, "-c", code, host,
+                               str(port), str(r)], stdout=subprocess.PIPE, text=True)
+             for r, (h, host) in enumerate([(HOSTS[0], "127.0.0.1"), (HOSTS[1], ADDR[0])])]
+    try:
+        out = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # by pid: only processes this test started
+            p.wait(10)
+    assert out[0].startswith("FormationTimeoutError [1] "), out
+    assert "listens on the loopback address 127.0.0.1 only" in out[0], out
+    assert out[1].startswith("FormationStoreTimeoutError [0] "), out
