@@ -679,7 +679,11 @@ class Group:
                 dropped and counted, never unpickled.
             transport: ``"tcp"`` (default without ``encrypt``: plain sockets, lowest
                 latency) or ``"zmq"`` (ZeroMQ PUSH/PULL sockets; the default with
-                ``encrypt``).
+                ``encrypt``); ``None``: ``CTRLCOMM_TRANSPORT`` where it is set, which also
+                reaches groups made for you (``StatelessProcessGroup``...). A send on "tcp"
+                with more than 4 MiB queued for a peer returns once that peer has taken all
+                but 4 MiB (the sender's process writes it); on "zmq" it returns at once
+                (ZeroMQ's I/O thread writes it).
             zmq_context: with ``transport="zmq"``, the ZeroMQ context to make sockets from.
             heartbeat_interval: seconds between this rank's heartbeats to its peers.
             liveness_timeout: a peer silent this long (stopped, hung, cut off) is declared
@@ -722,7 +726,12 @@ class Group:
             raise InvalidArgumentError("Group.create: timeout must be > 0 seconds (formation's "
                                        "deadline and every call's default), got None")
         if transport is None:
-            transport = "zmq" if encrypt else "tcp"
+            # (the variable also reaches groups made for you: StatelessProcessGroup, ...)
+            env = os.environ.get("CTRLCOMM_TRANSPORT") or None
+            if env is not None and env not in ("tcp", "zmq"):
+                raise InvalidArgumentError(f"CTRLCOMM_TRANSPORT={env!r} names no transport; "
+                                           "use 'tcp' or 'zmq'")
+            transport = env or ("zmq" if encrypt else "tcp")
         if transport not in ("tcp", "zmq"):
             raise InvalidArgumentError(f"unknown transport {transport!r}; use 'tcp' or 'zmq'")
         if codec not in CODECS:

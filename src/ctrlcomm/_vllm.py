@@ -9,13 +9,16 @@ wait has a deadline, and a dead peer is an error naming it.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket as _socket
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from . import _plans
 from ._core import run_sync
-from ._errors import InvalidArgumentError, show
+from ._errors import ConcurrentUseError, InvalidArgumentError, show
 from ._group import Group, _rank_arg, close_when_dropped
 from ._store import StoreClient, _secs
 from ._transport import StoreServer
@@ -65,6 +68,39 @@ def _on_device_of(got: Any, like: Any) -> Any:
     return got if device is None or got.device == device else got.to(device)
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _one_at_a_time(method: _F) -> _F:
+    """vLLM's group takes calls from several threads, one at a time (its TCPStore client
+    makes one request at a time): so does this one, where a :class:`Group` raises
+    :class:`ConcurrentUseError`. A call waits for the one in progress for at most its own
+    timeout (``barrier``'s, else the group's); then it raises ConcurrentUseError naming that
+    call. (A call that waits for a peer holds the group, as the original's ``get`` holds its
+    client: another thread's call in the meantime waits.)"""
+    op = method.__name__
+
+    @functools.wraps(method)
+    def call(self: StatelessProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        lock = self._lock
+        if not lock.acquire(False):
+            t = kwargs.get("timeout", args[0] if op == "barrier" and args else None)
+            if not (isinstance(t, (int, float)) and t > 0):  # (else the call says what's wrong)
+                t = self._group._core.timeout
+            if not lock.acquire(timeout=min(t, threading.TIMEOUT_MAX)):
+                raise ConcurrentUseError(
+                    f"{op} on rank {self.rank}: another thread's {self._holder} held the "
+                    f"group for all of this call's {t:g} s timeout")
+        held, self._holder = self._holder, op
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._holder = held
+            lock.release()
+
+    return call  # type: ignore[return-value]
+
+
 class StatelessProcessGroup:
     """A group made without torch.distributed's global state (vLLM's API).
 
@@ -79,6 +115,11 @@ class StatelessProcessGroup:
                  server: StoreServer | None = None,
                  socket: _socket.socket | None = None) -> None:
         self._group = group
+        # (calls from several threads take turns: see _one_at_a_time; reentrant, so that a
+        # call made under another in this thread, from a signal handler, say, is refused by
+        # the group, busy, rather than waiting for itself)
+        self._lock = threading.RLock()
+        self._holder = ""
         self.rank = group.rank
         self.world_size = group.world_size
         self.store: StoreClient | None = group.store
@@ -116,11 +157,13 @@ class StatelessProcessGroup:
 
     # ------------------------------------------------------------------ objects
 
+    @_one_at_a_time
     def send_obj(self, obj: Any, dst: int) -> None:
         """Send an object to ``dst`` (returns at once; ordered per destination; this rank
         itself too, as in vLLM)."""
         self._send(obj, dst, 0, "send_obj", "send_obj(dst={})")
 
+    @_one_at_a_time
     def recv_obj(self, src: int) -> Any:
         """The next object ``src`` sent to this rank."""
         return self._recv(src, 0, "recv_obj", "recv_obj(src={})")
@@ -153,6 +196,7 @@ class StatelessProcessGroup:
     def _recv_self(self, kind: int, op: str) -> Any:
         return self._group._core.recv_self(_TAGS[kind], f"{op}(src={self.rank})")
 
+    @_one_at_a_time
     def broadcast_obj(self, obj: Any | None, src: int) -> Any:
         """``src``'s object, on every rank (the source gets its own object back).
 
@@ -177,10 +221,12 @@ class StatelessProcessGroup:
             c.check_open()
         return obj
 
+    @_one_at_a_time
     def all_gather_obj(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order."""
         return self._group.all_gather(obj)
 
+    @_one_at_a_time
     def barrier(self, timeout: float = 30.0) -> None:
         """Return once every rank is here; raise ``TimeoutError`` after ``timeout`` s."""
         self._group.barrier(timeout=timeout)
@@ -193,6 +239,7 @@ class StatelessProcessGroup:
     # As vLLM's: broadcast and all_reduce return a new tensor (on the other ranks, the
     # source's; the one given is left as it is), recv copies into the one given.
 
+    @_one_at_a_time
     def broadcast(self, tensor: Any, src: int) -> Any:
         """``src``'s tensor: the source gets ``tensor`` back; every other rank a new tensor
         (of the source's shape and dtype, on the device of the ``tensor`` it passed, which
@@ -204,10 +251,12 @@ class StatelessProcessGroup:
             return tensor
         return _on_device_of(got, tensor)
 
+    @_one_at_a_time
     def send(self, tensor: Any, dst: int) -> None:
         """Send a tensor to ``dst`` (this rank itself too)."""
         self._send(_compact(tensor), dst, 1, "send", "send(tensor, dst={})")
 
+    @_one_at_a_time
     def recv(self, tensor: Any, src: int) -> Any:
         """Receive the next tensor from ``src`` into ``tensor`` (``tensor.copy_``: another
         dtype is cast; as many elements fill it in order whatever the sent shape, as
@@ -225,6 +274,7 @@ class StatelessProcessGroup:
                 f"{tuple(tensor.shape)} {tensor.dtype}: {e}") from None
         return tensor
 
+    @_one_at_a_time
     def all_reduce(self, tensor: Any, op: Any = None) -> Any:
         """``tensor`` reduced over all ranks (``ReduceOp.SUM`` by default), as a new tensor
         on ``tensor``'s device; ``tensor`` is left as it is."""

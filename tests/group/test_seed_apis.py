@@ -80,6 +80,115 @@ def spg_broadcast_never_made(rank, size, port):
     return out
 
 
+def spg_threads(rank, size, port):
+    """Calls from several threads take turns, as on vLLM's group (its TCPStore client makes
+    one request at a time), where a Group raises ConcurrentUseError."""
+    import threading
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size, store_timeout=20)
+    out = {}
+    if rank == 0:
+        errors = []
+
+        def sender(dst):
+            try:
+                for i in range(200):
+                    pg.send_obj((dst, i), dst)
+            except Exception as e:
+                errors.append(repr(e))
+
+        ts = [threading.Thread(target=sender, args=(d,)) for d in (1, 2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        out["errors"] = errors
+        # a call waits for another thread's call in progress, a recv waiting for its peer
+        # (rank 1 sends after 0.5 s) included, then goes on
+        got = {}
+        waiter = threading.Thread(target=lambda: got.update(r=pg.recv_obj(1)))
+        waiter.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        pg.send_obj("after", 1)
+        out["waited"] = time.monotonic() - t0
+        waiter.join(30)
+        out["recv"] = got.get("r")
+        # and for at most its own timeout: then it says whose call held the group
+        waiter = threading.Thread(target=lambda: got.update(r=pg.recv_obj(2)))
+        waiter.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        try:
+            pg.barrier(timeout=0.5)
+        except ctrlcomm.ConcurrentUseError as e:
+            out["refused"] = (str(e), time.monotonic() - t0)
+        waiter.join(30)
+        out["recv2"] = got.get("r")
+    elif rank == 1:
+        out["got"] = [pg.recv_obj(0) for _ in range(200)]
+        time.sleep(0.5)
+        pg.send_obj("from 1", 0)
+        out["after"] = pg.recv_obj(0)
+    else:
+        out["got"] = [pg.recv_obj(0) for _ in range(200)]
+        time.sleep(2.0)
+        pg.send_obj("from 2", 0)
+    pg.barrier(timeout=20)
+    pg.close()
+    return out
+
+
+def test_calls_from_several_threads_take_turns_as_in_vllm():
+    """(before: every send_obj of one of the threads raised ConcurrentUseError, helper-51)"""
+    res = run_ranks(spg_threads, 3, free_port(), timeout=90)
+    assert res[0]["errors"] == []
+    for r in (1, 2):
+        assert res[r]["got"] == [(r, i) for i in range(200)]
+    assert res[0]["recv"] == "from 1" and res[1]["after"] == "after"
+    assert res[0]["waited"] > 0.1, res[0]
+    msg, took = res[0]["refused"]
+    assert "barrier on rank 0: another thread's recv_obj held the group" in msg, msg
+    assert "0.5 s" in msg and 0.4 < took < 5, (msg, took)
+    assert res[0]["recv2"] == "from 2"
+
+
+def spg_big_send_then_elsewhere(rank, size, pa, pb):
+    """vLLM's broadcast_obj returns once the store holds the object: rank 0 broadcasts 32
+    MiB in group A, then waits in group B's barrier, which rank 1 enters before it takes
+    A's broadcast. Over ZeroMQ (CTRLCOMM_TRANSPORT, which reaches the groups
+    StatelessProcessGroup makes) the broadcast returns at once, as the original's."""
+    from ctrlcomm import StatelessProcessGroup
+
+    a = StatelessProcessGroup.create("127.0.0.1", pa, rank, size, store_timeout=20)
+    b = StatelessProcessGroup.create("127.0.0.1", pb, rank, size, store_timeout=20)
+    kinds = (a.group._core.ep.kind, b.group._core.ep.kind)
+    if rank == 0:
+        a.broadcast_obj(b"w" * (32 << 20), src=0)
+        b.barrier(timeout=20)
+        got = None
+    else:
+        b.barrier(timeout=20)
+        got = len(a.broadcast_obj(None, src=0))
+    b.barrier(timeout=20)
+    a.close()
+    b.close()
+    return kinds, got
+
+
+def test_ctrlcomm_transport_reaches_the_groups_made_for_you(monkeypatch):
+    monkeypatch.setenv("CTRLCOMM_TRANSPORT", "zmq")
+    res = run_ranks(spg_big_send_then_elsewhere, 2, free_port(), free_port(), timeout=90)
+    assert res == [(("zmq", "zmq"), None), (("zmq", "zmq"), 32 << 20)]
+    monkeypatch.setenv("CTRLCOMM_TRANSPORT", "udp")
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="CTRLCOMM_TRANSPORT='udp'"):
+        ctrlcomm.StatelessProcessGroup.create("127.0.0.1", free_port(), 0, 1)
+    with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, transport="tcp") as g:
+        assert g._core.ep.kind == "tcp"  # (an explicit transport= wins)
+
+
 def test_a_broadcast_obj_that_never_comes_times_out_naming_it():
     msg = run_ranks(spg_broadcast_never_made, 2, free_port())[1]
     assert "broadcast_obj(src=0)" in msg and "[0]" in msg, msg
