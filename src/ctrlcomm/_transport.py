@@ -217,31 +217,6 @@ def _curve_server(sock: zmq.Socket[Any], secret: bytes) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
 
 
-async def _readable(fd: int, timeout: float,
-                    waiting: Callable[[Any], None] | None = None) -> None:
-    """Return when ``fd`` is readable or ``timeout`` seconds pass, through the running event
-    loop (a reader callback: no thread, no polling). ``waiting`` is told ``(loop, wake)``
-    for the wait's duration, then ``None``: ``loop.call_soon_threadsafe(wake)`` ends it."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    loop.add_reader(fd, wake)
-    timer = loop.call_later(max(timeout, 0.0), wake)
-    if waiting is not None:
-        waiting((loop, wake))
-    try:
-        await fut
-    finally:
-        if waiting is not None:
-            waiting(None)
-        timer.cancel()
-        loop.remove_reader(fd)
-
-
 class _Bell:
     """An eventfd that wakes a wait on an endpoint from another thread (or task): the group's
     core rings it when ``close`` or ``abort`` is called while a call is in progress, so the
@@ -261,11 +236,13 @@ class _Bell:
                 except OSError:  # (rung past 2**64 - 2 times unread: it still wakes)
                     pass
 
-    def clear(self) -> None:
+    def clear(self) -> bool:
+        """Take the rings: whether there were any."""
         try:
             os.eventfd_read(self.fd)
         except OSError:  # not rung (EAGAIN), or closed
-            pass
+            return False
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -403,7 +380,8 @@ class ZmqEndpoint:
         FAIR_S at most, the rest at the next drain (as TcpEndpoint.drain)."""
         n = 0
         rx = self.rx
-        t0 = 0.0
+        clock = time.monotonic
+        until = clock() + FAIR_S
         while n < limit:
             try:
                 frames = rx.recv_multipart(zmq.DONTWAIT)
@@ -411,11 +389,10 @@ class ZmqEndpoint:
                 break
             n += 1
             sink(w.decode_or_none(frames, self.key, self.me))
-            if not n & 63:
-                if not t0:
-                    t0 = time.monotonic()
-                elif time.monotonic() - t0 >= FAIR_S:
-                    break
+            # (after each message: one of 1 MiB, MAC checked, takes a millisecond or more;
+            # counting them, 128 of those held an awaited caller's loop for 330 ms)
+            if clock() >= until:
+                break
         return n
 
     def wait(self, timeout: float) -> None:
@@ -436,9 +413,6 @@ class ZmqEndpoint:
             except RuntimeError:  # the loop is closed
                 pass
 
-    def _set_aw(self, aw: Any) -> None:
-        self._aw = aw
-
     async def wait_async(self, timeout: float) -> None:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""
         if self.rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -446,9 +420,36 @@ class ZmqEndpoint:
                 await asyncio.sleep(0)
             return
         try:
-            await _readable(self.fd, timeout, self._set_aw)
+            await self._readable(timeout)
         finally:
             self.turn = time.monotonic()
+
+    async def _readable(self, timeout: float) -> None:
+        """Return when the socket's descriptor is readable, :meth:`wake` is called or
+        ``timeout`` seconds pass, through the running event loop (a reader callback: no
+        thread, no polling). ``_aw`` holds ``(loop, wake)`` meanwhile."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        fd = self.fd
+        loop.add_reader(fd, wake)
+        timer = loop.call_later(max(timeout, 0.0), wake)
+        aw = self._aw = (loop, wake)
+        if self.bell.clear():
+            # a close() or abort() that rang before _aw was set had no loop to wake (its
+            # call found nothing to do at the core's last look, just before this wait)
+            wake()
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if self._aw is aw:  # (else close() took the reader away already: see there)
+                self._aw = None
+                loop.remove_reader(fd)
 
     def close(self, gone: Collection[int] = ()) -> None:
         """Close the sockets. What is queued for peers still goes out, in a thread the
@@ -460,6 +461,22 @@ class ZmqEndpoint:
         self.closed = True
         if os.getpid() != self._pid:  # a forked child: the sockets are the parent's
             return
+        aw, self._aw = self._aw, None
+        if aw is not None:
+            # an awaited wait of this thread's loop (close() from another task: a close
+            # from another thread is done by the thread whose call holds the group, once
+            # woken): its reader goes before the descriptor does, with rx (a number reused at
+            # once found the loop's stale entry, and add_reader then registered nothing);
+            # and the wait ends, finding the endpoint closed
+            try:
+                here = asyncio.get_running_loop() is aw[0]
+            except RuntimeError:
+                here = False
+            if here:
+                aw[0].remove_reader(self.fd)
+                aw[1]()
+            else:
+                self._aw = aw  # (its own thread removes it; wake() ends the wait)
         gone = set(gone)
         try:
             for _ in range(100_000):

@@ -282,6 +282,136 @@ def test_an_awaited_recv_loop_over_a_flood_lets_the_event_loop_run(transport):
     assert in_order, "messages lost, repeated or reordered around the cancelled recv"
 
 
+BIG = 1 << 20
+
+
+def awaited_recv_of_large_messages(g):
+    """Rank 0 sends 150 messages of 1 MiB; rank 1, half a second late (all of them queued),
+    receives them awaited beside a ticker: counted, the messages received between two
+    ticks. A drain is bounded by time (FAIR_S), not by a count of messages: with a MAC to
+    check, one of 1 MiB takes a millisecond or more."""
+    n = 150
+    if g.rank == 0:
+        for i in range(n):
+            g.send(bytes([i % 256]) * BIG, dst=1)
+        g.barrier()
+        return None
+
+    async def main():
+        got = []
+        runs = [0]  # messages received since the ticker last ran
+        stop = False
+
+        async def ticker():
+            while not stop:
+                runs.append(0)
+                await asyncio.sleep(0)
+
+        await asyncio.sleep(0.5)
+        t = asyncio.create_task(ticker())
+        for _ in range(n):
+            got.append((await g.aio.recv(src=0))[0])
+            runs[-1] += 1
+        stop = True
+        await t
+        await g.aio.barrier()
+        return max(runs), got == [i % 256 for i in range(n)]
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_an_awaited_recv_of_large_messages_lets_the_event_loop_run(transport):
+    most, in_order = run_group(awaited_recv_of_large_messages, 2, timeout=120,
+                               group_kwargs={"transport": transport,
+                                             "auth_key": b"k" * 32})[1]
+    # (before, over ZeroMQ: 128 at a time, whatever their size: 330 ms without a turn)
+    assert most < 64, f"{most} messages of 1 MiB were received without a loop turn"
+    assert in_order
+
+
+def closed_by_another_task(g):
+    """Rank 1 closes the group from another task while a task awaits a recv on it: the
+    recv ends at once, and the endpoint's descriptor is no longer watched by the loop by
+    the time close() returns (a group made right after, whose descriptor took the same
+    number, found the stale entry, and add_reader then registered nothing: its first
+    awaited calls woke at their probe or liveness timers, 1 to 5 s late)."""
+    if g.rank == 0:
+        g.barrier()
+        time.sleep(1.0)
+        return None
+
+    async def main():
+        g.barrier()
+        fd = getattr(g._core.ep, "fd", None)
+        t = asyncio.create_task(g.aio.recv(0, timeout=20))
+        await asyncio.sleep(0.2)  # (t waits)
+        t0 = time.monotonic()
+        g.close()
+        stale = fd is not None and asyncio.get_running_loop().remove_reader(fd)
+        try:
+            await t
+            ended = "returned"
+        except ctrlcomm.GroupClosedError:
+            ended = "GroupClosedError"
+        return ended, time.monotonic() - t0, stale
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_a_close_from_another_task_leaves_nothing_watched(transport):
+    ended, took, stale = run_group(closed_by_another_task, 2, timeout=60,
+                                   group_kwargs={"transport": transport})[1]
+    assert ended == "GroupClosedError" and took < 2.0, (ended, took)
+    assert not stale, "the closed endpoint's descriptor was still watched by the loop"
+
+
+def closed_as_a_wait_begins(g, what):
+    """close() or abort() from another thread lands just as an awaited wait begins (after
+    the call's last look, before the wait is registered: injected here): the wait ends at
+    once, not at its next timer (5 s, the liveness timer, here)."""
+    import threading
+
+    if g.rank == 0:
+        g.barrier()
+        time.sleep(3.0)
+        return None
+    g.barrier()
+    ep = g._core.ep
+    wait_async = ep.wait_async
+    at = []
+
+    async def late(timeout):
+        if not at:
+            th = threading.Thread(target=g.close if what == "close"
+                                  else lambda: g.abort("watchdog"))
+            th.start()
+            th.join()
+            at.append(time.monotonic())
+        return await wait_async(timeout)
+
+    ep.wait_async = late
+
+    async def main():
+        try:
+            await g.aio.recv(0, timeout=20)
+            return "returned", 0.0
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__, time.monotonic() - at[0]
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+@pytest.mark.parametrize("what", ["close", "abort"])
+def test_a_close_or_abort_as_an_awaited_wait_begins_ends_it_at_once(transport, what):
+    err, took = run_group(closed_as_a_wait_begins, 2, what, timeout=60,
+                          group_kwargs={"transport": transport})[1]
+    assert err == ("GroupClosedError" if what == "close" else "GroupBrokenError"), err
+    assert took < 2.0, f"the wait ended {took:.2f} s after {what}()"
+
+
 def cancelled_in_its_turn(g):
     """Rank 1's awaited all_reduce is cancelled at its first suspension: the loop's turn it
     is given before it begins (a call right after one that ended without waiting, the loop
