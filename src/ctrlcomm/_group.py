@@ -726,12 +726,13 @@ class Group:
             raise InvalidArgumentError("Group.create: timeout must be > 0 seconds (formation's "
                                        "deadline and every call's default), got None")
         if transport is None:
-            # (the variable also reaches groups made for you: StatelessProcessGroup, ...)
+            # (the variable also reaches groups made for you: StatelessProcessGroup, ...;
+            # not encrypted ones, which only "zmq" can carry)
             env = os.environ.get("CTRLCOMM_TRANSPORT") or None
             if env is not None and env not in ("tcp", "zmq"):
                 raise InvalidArgumentError(f"CTRLCOMM_TRANSPORT={env!r} names no transport; "
                                            "use 'tcp' or 'zmq'")
-            transport = env or ("zmq" if encrypt else "tcp")
+            transport = "zmq" if encrypt else (env or "tcp")
         if transport not in ("tcp", "zmq"):
             raise InvalidArgumentError(f"unknown transport {transport!r}; use 'tcp' or 'zmq'")
         if codec not in CODECS:
@@ -789,10 +790,10 @@ class Group:
             # ranks elsewhere reach it by their own store address, which may be any interface
             # of this host: it binds every interface too, and publishes "*" for its address
             # (each peer reads the address it reaches the store by: _reachable)
-            wild = store_address in _WILDCARDS
+            wild = _wildcard(store_address)
             if bind_host is None:
                 bind_host = store_address if wild else local_address_for(store_address, port)
-            if bind_host in _WILDCARDS and not key:
+            if _wildcard(bind_host) and not key:
                 log.warning("group %r binds every interface (%r) without an auth_key: anyone "
                             "who reaches this host can send frames to it", name, bind_host)
             ep = make_endpoint(transport, bind_host, zmq_context=zmq_context, encrypt=encrypt)
@@ -809,7 +810,7 @@ class Group:
             # (and the wire format's version: a peer of another reads none of its messages)
             alike = f"ws:{world_size} codec:{codec} tr:{transport} wire:{w.VERSION}"
             address = ep.address
-            if bind_host in _WILDCARDS:
+            if _wildcard(bind_host):
                 # bound to every interface: peers are told the one that reaches the store
                 # (the address bound, 0.0.0.0, would send a peer elsewhere to its own host),
                 # or, where the store is on every interface too, "*" (see above)
@@ -1190,17 +1191,23 @@ def _host_of(endpoint: str) -> str:
     return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
 
 
-_WILDCARDS = ("0.0.0.0", "::")
+def _wildcard(host: str) -> bool:
+    """Whether ``host`` (a number) is an unspecified address: 0.0.0.0, ::, ::0..."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def _reachable(endpoint: str, store_address: str) -> str:
     """A peer's published address as this rank connects to it: as it is, but for ``*``, a
     rank on the store's host bound to every interface, reached at the address this rank
-    reaches the store by (the loopback where that is a wildcard too: this rank is on that
-    host)."""
+    reaches the store by; where that is a wildcard too (this rank is on that host) at
+    127.0.0.1, which a rank bound to 0.0.0.0 and one bound to :: (both families: see
+    _transport._dual_stack) both take."""
     if not endpoint.startswith("tcp://*:"):
         return endpoint
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(store_address, store_address)
+    host = "127.0.0.1" if _wildcard(store_address) else store_address
     return _tcp(host, endpoint.rsplit(":", 1)[1])
 
 

@@ -49,17 +49,18 @@ class AsyncZMQCommunicator:
             form the ctrlcomm group.
         hostname: address the leader (the group's first rank) binds its store to.
         timeout: default deadline of every call, in seconds.
-        transport: ``"tcp"`` (default) or ``"zmq"``.
+        transport: ``"tcp"`` or ``"zmq"``; ``None``: ``CTRLCOMM_TRANSPORT`` where it
+            is set, else ``"tcp"``.
     """
 
     def __init__(self, zmq_context: Any, process_group: Any = None,
                  hostname: str | None = None, *, timeout: float = 300.0,
-                 transport: str = "tcp") -> None:
+                 transport: str | None = None) -> None:
         from .torch import group_from_torch
 
         self.zmq_context = zmq_context
         kw: dict[str, Any] = {"transport": transport}
-        if transport == "zmq" and zmq_context is not None:
+        if zmq_context is not None:  # (used where the transport is "zmq")
             kw["zmq_context"] = zmq_context
         self.group = group_from_torch(process_group, hostname=hostname, name="megatron",
                                       timeout=timeout, **kw)

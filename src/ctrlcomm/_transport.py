@@ -176,6 +176,14 @@ def local_address_for(host: str, port: int) -> str:
         return str(s.getsockname()[0])
 
 
+def _dual_stack(sock: socket.socket, bind_host: str) -> None:
+    """A socket to bind on the IPv6 wildcard takes IPv4 too (as Linux's default does; set
+    here, not left to net.ipv6.bindv6only): peers given an IPv4 wildcard find it there."""
+    if sock.family == socket.AF_INET6 and _numeric(bind_host) \
+            and ipaddress.ip_address(bind_host).is_unspecified:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+
+
 def _tcp(host: str, port: int | str) -> str:
     try:
         if ipaddress.ip_address(host).version == 6:
@@ -472,9 +480,12 @@ class ZmqEndpoint:
                 here = asyncio.get_running_loop() is aw[0]
             except RuntimeError:
                 here = False
-            if here:
-                aw[0].remove_reader(self.fd)
-                aw[1]()
+            if here or not aw[0].is_running():  # (a loop not running: nothing selects now)
+                try:
+                    aw[0].remove_reader(self.fd)
+                    aw[1]()
+                except Exception:  # (a closed loop: its selector, entry included, is gone)
+                    pass
             else:
                 self._aw = aw  # (its own thread removes it; wake() ends the wait)
         gone = set(gone)
@@ -616,6 +627,8 @@ def _bind_host(host: str, port: int, timeout: float) -> str:
     would look it up itself, without a deadline: see :func:`resolve`)."""
     if not isinstance(host, str) or not host:
         raise StoreError(f"cannot bind store: host must be a non-empty str, got {host!r}")
+    if host.startswith("[") and host.endswith("]") and _numeric(host[1:-1]):
+        return host[1:-1]  # ([::1], as a URL writes it)
     if host == "*" or _numeric(host) or host in {n for _, n in socket.if_nameindex()}:
         return host
     try:
@@ -948,6 +961,7 @@ class TcpEndpoint:
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         ls = socket.socket(family, socket.SOCK_STREAM)
         try:
+            _dual_stack(ls, bind_host)
             ls.bind((bind_host, 0))
         except OSError as e:
             ls.close()
@@ -1881,6 +1895,7 @@ class Heartbeat:
                  interval: float) -> None:
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        _dual_stack(self.sock, bind_host)
         self.sock.bind((bind_host, 0))
         self.port = int(self.sock.getsockname()[1])
         self.group_id, self.rank, self.key, self.interval = group_id, rank, key, interval
@@ -1909,6 +1924,12 @@ class Heartbeat:
               procs: dict[int, tuple[int, int]] | None = None) -> None:
         """Start beating to ``peers`` (``{rank: (host, udp port)}``); ``procs``: the
         same-host ones' ``(pid, start time)`` (:func:`same_host_procs`)."""
+        if self.sock.family == socket.AF_INET6:
+            # (bound to "::", every interface, both families: an IPv4 peer is sent to as
+            # ::ffff:a.b.c.d; sendto an IPv4 address failed, unseen, and the peer found this
+            # rank silent)
+            peers = {r: (f"::ffff:{h}" if _numeric(h) and ":" not in h else h, p)
+                     for r, (h, p) in peers.items()}
         self.peers = dict(peers)
         self.procs = dict(procs or {})
         now = time.monotonic()

@@ -10,6 +10,7 @@ wait has a deadline, and a dead peer is an error naming it.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import socket as _socket
 import threading
@@ -79,12 +80,20 @@ def _one_at_a_time(method: _F) -> _F:
     call. (A call that waits for a peer holds the group, as the original's ``get`` holds its
     client: another thread's call in the meantime waits.)"""
     op = method.__name__
+    sig = inspect.signature(method)
 
     @functools.wraps(method)
     def call(self: StatelessProcessGroup, *args: Any, **kwargs: Any) -> Any:
         lock = self._lock
         if not lock.acquire(False):
-            t = kwargs.get("timeout", args[0] if op == "barrier" and args else None)
+            t = None
+            if "timeout" in sig.parameters:  # (barrier's: given, or its default)
+                try:
+                    bound = sig.bind(self, *args, **kwargs)
+                    bound.apply_defaults()
+                    t = bound.arguments["timeout"]
+                except TypeError:  # (the call itself says what is wrong)
+                    pass
             if not (isinstance(t, (int, float)) and t > 0):  # (else the call says what's wrong)
                 t = self._group._core.timeout
             if not lock.acquire(timeout=min(t, threading.TIMEOUT_MAX)):

@@ -28,7 +28,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from ._errors import FormationError, FormationTimeoutError, InvalidArgumentError
-from ._group import Group, _bind_address, _timeout_arg
+from ._group import Group, _bind_address, _host_of, _timeout_arg, _wildcard
 from ._transport import StoreServer, local_address_for, resolve
 
 __all__ = ["group_from_torch", "init_torch_process_group"]
@@ -82,7 +82,8 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
 
     Args:
         process_group: a torch ProcessGroup, or None for the default group.
-        hostname: address the leader's store binds to (reachable by every member).
+        hostname: address the leader's store binds to (reachable by every member);
+            ``"0.0.0.0"``: every interface, the members told the default's address.
         name: the ctrlcomm group's name.
         timeout: the ctrlcomm group's default timeout (and formation's deadline).
         **kwargs: passed on to :meth:`ctrlcomm.Group.create` (``transport``, ``codec``...).
@@ -110,7 +111,9 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
             host = _leader_host(hostname, t)
             key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
             server = StoreServer(host, 0, auth_key=key, encrypt=bool(kwargs.get("encrypt")))
-            info = [(host, server.port)]
+            # (a store on every interface: the members are told this host's address that
+            # reaches them, not 0.0.0.0, which would send each to its own host)
+            info = [(_default_host(t) if _wildcard(host) else host, server.port)]
         except Exception as e:
             # the others wait for the address in the broadcast below, up to torch's timeout
             # (30 minutes by default): they are told instead
@@ -167,16 +170,20 @@ def init_torch_process_group(group: Any, backend: str = "gloo",
         raise InvalidArgumentError(f"init_torch_process_group: unsupported backend {backend!r}")
     td = _timedelta(timeout)
     rank, size = group.rank, group.world_size
-    host = group._core.ep.address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    ep = group._core.ep
     store = None
     if rank == 0:
-        store = TCPStore(host, 0, size, True, timeout=td, wait_for_workers=False)
-        addr = (host, store.port, os.urandom(8).hex())
+        # (TCPStore's server listens on every interface: the host is not used here)
+        store = TCPStore(_host_of(ep.address), 0, size, True, timeout=td,
+                         wait_for_workers=False)
+        addr = (store.port, os.urandom(8).hex())
     else:
         addr = None
-    host, port, tag = group.broadcast(addr, src=0)
+    port, tag = group.broadcast(addr, src=0)
     if store is None:
-        store = TCPStore(host, port, size, False, timeout=td)
+        # rank 0's host as this rank reaches its group socket (a rank 0 on every interface
+        # published no address of its own: see Group.create)
+        store = TCPStore(_host_of(ep.peers[0]), port, size, False, timeout=td)
     prefix = PrefixStore(f"ctrlcomm/{group.name}/{tag}", store)
     pg = ProcessGroup(prefix, rank, size)
     if backend == "gloo":

@@ -367,6 +367,42 @@ def test_a_close_from_another_task_leaves_nothing_watched(transport):
     assert not stale, "the closed endpoint's descriptor was still watched by the loop"
 
 
+def closed_while_its_loop_is_stopped(g):
+    """An awaited recv waits in a loop that is then stopped (run_until_complete of
+    something else returned); the group is closed meanwhile: nothing of it stays watched
+    by that loop, and the recv, when the loop runs again, ends with GroupClosedError."""
+    if g.rank == 0:
+        g.barrier()
+        time.sleep(1.0)
+        return None
+    g.barrier()
+    fd = getattr(g._core.ep, "fd", None)
+    loop = asyncio.new_event_loop()
+    try:
+        t = loop.create_task(g.aio.recv(0, timeout=20))
+        loop.run_until_complete(asyncio.sleep(0.2))  # (t waits; then the loop stops)
+        g.close()
+        stale = fd is not None and loop.remove_reader(fd)
+        try:
+            loop.run_until_complete(asyncio.wait_for(t, 5))
+            ended = "returned"
+        except ctrlcomm.GroupClosedError:
+            ended = "GroupClosedError"
+        return ended, stale
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_a_close_while_the_loop_is_stopped_leaves_nothing_watched(transport):
+    """(before, over ZeroMQ: the reader stayed, and a group made next whose descriptor took
+    the number had its first awaited call woken only by its timers)"""
+    ended, stale = run_group(closed_while_its_loop_is_stopped, 2, timeout=60,
+                             group_kwargs={"transport": transport})[1]
+    assert ended == "GroupClosedError"
+    assert not stale, "the closed endpoint's descriptor was still watched by the loop"
+
+
 def closed_as_a_wait_begins(g, what):
     """close() or abort() from another thread lands just as an awaited wait begins (after
     the call's last look, before the wait is registered: injected here): the wait ends at

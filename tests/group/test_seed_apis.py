@@ -3,6 +3,7 @@
 import asyncio
 import ctypes
 import gc
+import os
 import time
 
 import pytest
@@ -80,15 +81,29 @@ def spg_broadcast_never_made(rank, size, port):
     return out
 
 
-def spg_threads(rank, size, port):
+def _mark(marks, name):
+    os.close(os.open(os.path.join(marks, name), os.O_CREAT | os.O_WRONLY))
+
+
+def _until(cond, what, limit=30.0):
+    end = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"waited {limit} s for {what}")
+        time.sleep(0.005)
+
+
+def spg_threads(rank, size, port, marks):
     """Calls from several threads take turns, as on vLLM's group (its TCPStore client makes
-    one request at a time), where a Group raises ConcurrentUseError."""
+    one request at a time), where a Group raises ConcurrentUseError. (File marks order the
+    ranks: no sleep decides what a rank finds.)"""
     import threading
 
     from ctrlcomm import StatelessProcessGroup
 
-    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size, store_timeout=20)
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size, store_timeout=1)
     out = {}
+    seen = lambda name: os.path.exists(os.path.join(marks, name))  # noqa: E731
     if rank == 0:
         errors = []
 
@@ -106,44 +121,64 @@ def spg_threads(rank, size, port):
             t.join(30)
         out["errors"] = errors
         # a call waits for another thread's call in progress, a recv waiting for its peer
-        # (rank 1 sends after 0.5 s) included, then goes on
+        # included (rank 1 sends 0.3 s after the mark), then goes on
         got = {}
         waiter = threading.Thread(target=lambda: got.update(r=pg.recv_obj(1)))
         waiter.start()
-        time.sleep(0.2)
+        _until(lambda: pg._holder == "recv_obj", "the recv to hold the group")
+        _mark(marks, "send")
         t0 = time.monotonic()
         pg.send_obj("after", 1)
         out["waited"] = time.monotonic() - t0
         waiter.join(30)
         out["recv"] = got.get("r")
-        # and for at most its own timeout: then it says whose call held the group
+        # and for at most its own timeout: then it says whose call held the group (rank 2
+        # sends once it has)
         waiter = threading.Thread(target=lambda: got.update(r=pg.recv_obj(2)))
         waiter.start()
-        time.sleep(0.2)
+        _until(lambda: pg._holder == "recv_obj", "the recv to hold the group")
         t0 = time.monotonic()
         try:
             pg.barrier(timeout=0.5)
         except ctrlcomm.ConcurrentUseError as e:
             out["refused"] = (str(e), time.monotonic() - t0)
+        _mark(marks, "refused")
         waiter.join(30)
         out["recv2"] = got.get("r")
+        # barrier() without a timeout waits for its default, 30 s, not the group's 1 s:
+        # another thread's barrier(10) holds the group for 1.5 s (rank 1 is late to it)
+        done = []
+        holder = threading.Thread(target=lambda: done.append(pg.barrier(timeout=10)))
+        holder.start()
+        _until(lambda: pg._holder == "barrier", "the barrier to hold the group")
+        _mark(marks, "barrier")
+        pg.barrier()
+        holder.join(30)
+        out["barriers"] = len(done) + 1
     elif rank == 1:
         out["got"] = [pg.recv_obj(0) for _ in range(200)]
-        time.sleep(0.5)
+        _until(lambda: seen("send"), "rank 0's send")
+        time.sleep(0.3)
         pg.send_obj("from 1", 0)
         out["after"] = pg.recv_obj(0)
+        _until(lambda: seen("barrier"), "rank 0's second thread")
+        time.sleep(1.5)
+        pg.barrier(timeout=20)
+        pg.barrier(timeout=20)
     else:
         out["got"] = [pg.recv_obj(0) for _ in range(200)]
-        time.sleep(2.0)
+        _until(lambda: seen("refused"), "rank 0's refused barrier")
         pg.send_obj("from 2", 0)
+        pg.barrier(timeout=20)
+        pg.barrier(timeout=20)
     pg.barrier(timeout=20)
     pg.close()
     return out
 
 
-def test_calls_from_several_threads_take_turns_as_in_vllm():
+def test_calls_from_several_threads_take_turns_as_in_vllm(tmp_path):
     """(before: every send_obj of one of the threads raised ConcurrentUseError, helper-51)"""
-    res = run_ranks(spg_threads, 3, free_port(), timeout=90)
+    res = run_ranks(spg_threads, 3, free_port(), str(tmp_path), timeout=120)
     assert res[0]["errors"] == []
     for r in (1, 2):
         assert res[r]["got"] == [(r, i) for i in range(200)]
@@ -153,6 +188,7 @@ def test_calls_from_several_threads_take_turns_as_in_vllm():
     assert "barrier on rank 0: another thread's recv_obj held the group" in msg, msg
     assert "0.5 s" in msg and 0.4 < took < 5, (msg, took)
     assert res[0]["recv2"] == "from 2"
+    assert res[0]["barriers"] == 2
 
 
 def spg_big_send_then_elsewhere(rank, size, pa, pb):
@@ -187,6 +223,10 @@ def test_ctrlcomm_transport_reaches_the_groups_made_for_you(monkeypatch):
         ctrlcomm.StatelessProcessGroup.create("127.0.0.1", free_port(), 0, 1)
     with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, transport="tcp") as g:
         assert g._core.ep.kind == "tcp"  # (an explicit transport= wins)
+    monkeypatch.setenv("CTRLCOMM_TRANSPORT", "tcp")
+    with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, auth_key="k" * 16,
+                               encrypt=True) as g:
+        assert g._core.ep.kind == "zmq"  # (encrypted: only ZeroMQ carries it)
 
 
 def test_a_broadcast_obj_that_never_comes_times_out_naming_it():

@@ -486,9 +486,15 @@ def test_a_store_server_binds_a_host_name_within_its_lookup_timeout(dns):
         assert c.get("k") == b"v"
         c.close()
     assert "localhost" in dns.calls
-    lo = socket.if_nameindex()[0][1]  # (an interface's name: not looked up)
+    names = [n for _, n in socket.if_nameindex()]
+    lo = "lo" if "lo" in names else names[0]  # (an interface's name: not looked up)
     ctrlcomm.StoreServer(lo, 0).close()
     assert lo not in dns.calls
+    with ctrlcomm.StoreServer("[::1]", 0) as srv:  # (as a URL writes it, as before)
+        c = ctrlcomm.StoreClient("::1", srv.port, timeout=5)
+        c.set("k", b"v6")
+        assert c.get("k") == b"v6"
+        c.close()
     t = time.monotonic()
     with pytest.raises(ctrlcomm.StoreTimeoutError, match="slow.example.*took longer than"):
         ctrlcomm.StoreServer("slow.example", 0, lookup_timeout=0.3)
@@ -500,6 +506,35 @@ def test_a_store_server_binds_a_host_name_within_its_lookup_timeout(dns):
             ctrlcomm.StoreServer(bad, 0)
     dns.answer.set()  # (slow.example answers now: localhost, bound)
     ctrlcomm.StoreServer("slow.example", 0).close()
+
+
+def _wildcards(rank, size, port):
+    """Ranks given the store's host as ::, 0.0.0.0 and 127.0.0.1 (one host). Ranks 0 and
+    1 in turn sleep twice the liveness timeout while the others wait for them: their
+    heartbeats must reach the others (a silent rank that uses no CPU is lost)."""
+    host = ("::", "0.0.0.0", "127.0.0.1")[rank]
+    with ctrlcomm.Group.create(host, port, rank, size, timeout=20, liveness_timeout=1.0,
+                               heartbeat_interval=0.2) as g:
+        g.barrier()
+        got = []
+        for sleeper in (0, 1):
+            if rank == sleeper:
+                time.sleep(2.0)
+            got.append(g.all_gather(rank))
+        g.send(rank, dst=(rank + 1) % size)
+        return got, g.recv(src=(rank - 1) % size), g._core.ep.address
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_ranks_on_every_interface_of_either_family_reach_each_other(transport, monkeypatch):
+    """(before: the rank on :: sent its heartbeats to IPv4 peers in vain, unseen, and was
+    declared lost after the idle spell; the rank on 0.0.0.0 was looked for at ::1, where
+    nothing listened: "cannot connect to tcp://[::1]:...")"""
+    monkeypatch.setenv("CTRLCOMM_TRANSPORT", transport)
+    res = run_ranks(_wildcards, 3, free_port(), timeout=60)
+    for r, (got, prev, _) in enumerate(res):
+        assert got == [[0, 1, 2]] * 2 and prev == (r - 1) % 3
+    assert res[0][2].startswith("tcp://[::]:") and res[1][2].startswith("tcp://0.0.0.0:")
 
 
 def test_a_rank_whose_store_host_rank_0_never_came_gets_a_formation_timeout_naming_it():

@@ -176,7 +176,15 @@ ranks = pg.all_gather_obj(rank)
 pg.send_obj(rank, dst=(rank + 1) % 3)
 prev = pg.recv_obj(src=(rank + 2) % 3)
 pg.barrier(timeout=30)
-print(json.dumps({"uid": uid.decode(), "ranks": ranks, "prev": prev}), flush=True)
+# and torch's gloo over the same ranks (rank 0 bound every interface, published no address:
+# each rank reaches it where it reaches its group socket)
+import torch
+from ctrlcomm.torch import init_torch_process_group
+tpg = init_torch_process_group(pg, backend="gloo", timeout=30)
+t = torch.tensor([rank + 1.0])
+tpg.allreduce([t]).wait()
+print(json.dumps({"uid": uid.decode(), "ranks": ranks, "prev": prev, "gloo": t.item()}),
+      flush=True)
 """
 
 
@@ -187,16 +195,18 @@ def test_workers_on_every_interface_and_a_trainer_elsewhere(net):
     where rank 2 found nothing: "rank 0 is gone (cannot connect to tcp://127.0.0.1:...)")"""
     port = 29713
     where = [(HOSTS[0], "0.0.0.0"), (HOSTS[0], "0.0.0.0"), (HOSTS[1], ADDR[0])]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")  # (gloo's own choice: the hostname's)
     procs = [subprocess.Popen(["ip", "netns", "exec", h, sys.executable, "-c", TRL_RANK, host,
                                str(port), str(r)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True, env=env)
              for r, (h, host) in enumerate(where)]
     try:
         for r, p in enumerate(procs):
-            out, err = p.communicate(timeout=60)
+            out, err = p.communicate(timeout=90)
             assert p.returncode == 0, f"rank {r}: {err}"
             got = json.loads(out.strip().splitlines()[-1])
-            assert got == {"uid": "nccl-unique-id", "ranks": [0, 1, 2], "prev": (r + 2) % 3}
+            assert got == {"uid": "nccl-unique-id", "ranks": [0, 1, 2], "prev": (r + 2) % 3,
+                           "gloo": 6.0}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -229,3 +239,38 @@ except ctrlcomm.FormationTimeoutError as e:
     assert out[0].startswith("FormationTimeoutError [1] "), out
     assert "listens on the loopback address 127.0.0.1 only" in out[0], out
     assert out[1].startswith("FormationStoreTimeoutError [0] "), out
+
+
+FROM_TORCH_RANK = """
+import json, sys
+import torch.distributed as dist
+import ctrlcomm
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)  # (MASTER_ADDR, as torchrun sets)
+g = ctrlcomm.Group.from_torch(hostname="0.0.0.0", timeout=30)
+got = g.all_gather(rank)
+g.close()
+dist.destroy_process_group()
+print(json.dumps(got), flush=True)
+"""
+
+
+def test_from_torch_with_a_leader_on_every_interface_across_hosts(net):
+    """(before: the leader told the members its store was at 0.0.0.0, which sent each to
+    its own host: FormationStoreTimeoutError on rank 1)"""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", MASTER_ADDR=ADDR[0],
+               MASTER_PORT="29715")
+    procs = [subprocess.Popen(["ip", "netns", "exec", HOSTS[r], sys.executable, "-c",
+                               FROM_TORCH_RANK, str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(2)]
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=90)
+            assert p.returncode == 0, f"rank {r}: {err}"
+            assert json.loads(out.strip().splitlines()[-1]) == [0, 1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # by pid: only processes this test started
+            p.wait(10)
