@@ -146,6 +146,12 @@ def _check_size(payload: Any, bufs: tuple[Any, ...]) -> None:
                          f"than a message carries ({MAX_PAYLOAD:,} bytes): send it in parts")
 
 
+def _op_of(name: str) -> str:
+    """The operation a call's name in errors names: ``recv`` of ``recv(src=1, tag=3)``,
+    ``all_reduce`` of ``all_reduce (sending)``, ``recv_obj`` of ``recv_obj(src=0)``."""
+    return name.split("(", 1)[0].split(" ", 1)[0]
+
+
 def _send_name(what: str, dst: Any, tag: int) -> str:
     """A send's name in its errors: ``what``, or ``send(dst=..., tag=...)`` (made only where
     it is needed: not on the usual send's path)."""
@@ -1105,8 +1111,8 @@ class Core:
             if desc:  # (found only now: the answers came too late to raise earlier)
                 return MismatchTimeoutError(
                     f"{text}: {desc}", mismatch=desc,
-                    op=name, seq=seq, group=self.name, waiting_for=missing, peer_states=states)
-        return CollectiveTimeoutError(text, op=name, seq=seq, group=self.name,
+                    op=_op_of(name), seq=seq, group=self.name, waiting_for=missing, peer_states=states)
+        return CollectiveTimeoutError(text, op=_op_of(name), seq=seq, group=self.name,
                                       waiting_for=missing, peer_states=states)
 
     def _mismatch_desc(self, a: tuple[str, int, int, int], missing: list[int]) -> str:

@@ -120,7 +120,9 @@ class ReductionError(CtrlcommError, ValueError):
             whose message names that rank).
     """
 
-    ranks: tuple[int, ...] = ()
+    def __init__(self, message: str = "", *, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks: list[int] = list(ranks)  # (a list, as PeerLostError's)
 
 
 class OperandError(ReductionError, InvalidArgumentError):
@@ -156,6 +158,16 @@ class FormationError(CtrlcommError):
 
 class StoreError(CtrlcommError):
     """The rendezvous store failed or refused a request."""
+
+
+class StoreKeyError(StoreError, KeyError):
+    """A key the store does not hold, asked for without waiting (``get(key, wait=False)``):
+    a KeyError too, as a dict's (and TCPStore's users expect)."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (a store key that is neither str nor bytes): a
+    TypeError too, as the builtin call (and TCPStore) raises."""
 
 
 class StoreTimeoutError(StoreError, TimeoutError):

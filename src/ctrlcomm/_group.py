@@ -338,10 +338,10 @@ def _failed(call: Call, core: Core, result: _ops.Failed) -> CtrlcommError:
     cls = {"operand": OperandError, "codec": CodecError,
            "argument": InvalidArgumentError}.get(result.kind, ReductionError)
     where = result.where()
-    e = cls(f"{call.name} on group {core.name!r} failed on rank {core.rank}: "
+    e: CtrlcommError = cls(f"{call.name} on group {core.name!r} failed on rank {core.rank}: "
             f"{where + ': ' if where else ''}{result.message}")
     if isinstance(e, ReductionError) and result.sides:
-        e.ranks = result.sides[0] + result.sides[1]
+        e.ranks = [*result.sides[0], *result.sides[1]]
     return e
 
 
@@ -740,6 +740,9 @@ class Group:
         port = port_arg(port)
         if auth_key is None:
             auth_key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
+        elif not auth_key:  # (a key read from an empty variable or file: no protection)
+            raise InvalidArgumentError("Group.create: auth_key is empty; give a secret, or "
+                                       "None for no authentication")
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key
         encrypt = bool(encrypt)
         if encrypt:
@@ -902,6 +905,11 @@ class Group:
         port then. Keyword arguments are passed on to :meth:`create`.
         """
         env = os.environ
+        given = sorted({"host", "port", "rank", "world_size"} & kwargs.keys())
+        if given:
+            raise InvalidArgumentError(
+                f"Group.from_env: {', '.join(given)} come from the environment (CTRLCOMM_* or "
+                "torchrun's variables); to give them, call Group.create")
 
         def pick(mine: str, torchrun: str) -> str:
             v = env.get(mine) or env.get(torchrun)

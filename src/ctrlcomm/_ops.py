@@ -191,6 +191,14 @@ def plain_types(op: Op) -> frozenset[type]:
     return frozenset((int, bool) if op in ("band", "bor") else (int, bool, float))
 
 
+def _integral_dtype(dtype: Any) -> bool:
+    """Whether an array's (numpy's or torch's) elements are ints or bools."""
+    kind = getattr(dtype, "kind", None)  # numpy: "b", "i", "u"; "f", "c"...
+    if isinstance(kind, str):
+        return kind in "biu"
+    return not (getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False))
+
+
 def check_operand(op: Op, value: Any, opname: str, rank: int) -> None:
     """Reject, before anything is sent, a local value a named op cannot reduce."""
     if callable(op):
@@ -207,6 +215,10 @@ def check_operand(op: Op, value: Any, opname: str, rank: int) -> None:
                     walk(x)
             return
         if _array_module(v) is not None and hasattr(v, "dtype"):
+            if integral and not _integral_dtype(v.dtype):  # (a float array to band)
+                raise InvalidArgumentError(
+                    f"{opname} on rank {rank}: op {op!r} needs integers (or bools), got "
+                    f"{type(v).__name__} of dtype {v.dtype}")
             return
         ok = isinstance(v, numbers.Integral) if integral else isinstance(v, numbers.Number)
         if not ok or (op in ("max", "min") and isinstance(v, numbers.Complex)

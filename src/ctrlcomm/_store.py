@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _wire as w
-from ._errors import InvalidArgumentError, StoreError, StoreTimeoutError, show
+from ._errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    StoreError,
+    StoreKeyError,
+    StoreTimeoutError,
+    show,
+)
 
 # Limits that keep a misbehaving client from growing the server without bound.
 MAX_KEY = 4096
@@ -192,7 +199,8 @@ def _b(x: str | bytes) -> bytes:
         return x.encode()
     if isinstance(x, (bytes, bytearray, memoryview)):
         return bytes(x)
-    raise TypeError(f"store: a key or value must be str or bytes, not {type(x).__name__}")
+    raise ArgumentTypeError(f"store: a key or value must be str or bytes, not "
+                            f"{type(x).__name__}")
 
 
 def _secs(timeout: Any) -> float:
@@ -237,8 +245,8 @@ def port_arg(port: Any, what: str = "port") -> int:
 def _key_list(keys: Any, op: str) -> Sequence[str | bytes]:
     """``keys``, a list of keys (one str would be taken as its characters), as TCPStore."""
     if isinstance(keys, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"store {op}: keys must be a list of keys, got one {type(keys).__name__}"
-                        f" ({show(keys)}): pass [{show(keys)}]")
+        raise ArgumentTypeError(f"store {op}: keys must be a list of keys, got one "
+                                f"{type(keys).__name__} ({show(keys)}): pass [{show(keys)}]")
     return keys  # type: ignore[no-any-return]
 
 
@@ -376,7 +384,7 @@ class StoreClient:
         if rep.status == w.R_TIMEOUT:
             missing = [m.decode(errors="replace")[len(self.prefix):] for m in rep.values]
             if not wait:
-                raise KeyError(missing[0] if len(missing) == 1 else missing)
+                raise StoreKeyError(missing[0] if len(missing) == 1 else missing)
             raise StoreTimeoutError(f"store at {self.host}:{self.port}: get timed out after "
                                     f"{t:g} s; missing keys {missing}")
         return list(rep.values)
@@ -426,8 +434,8 @@ class StoreClient:
         try:  # (an int, as TCPStore's: 1.5 or "7" are refused, not cut or parsed)
             n = operator.index(amount)
         except TypeError:
-            raise TypeError(f"store add of {key!r}: the amount must be an int, got a "
-                            f"{type(amount).__name__} ({show(amount)})") from None
+            raise ArgumentTypeError(f"store add of {key!r}: the amount must be an int, got "
+                                    f"a {type(amount).__name__} ({show(amount)})") from None
         if not _I64_MIN <= n <= _I64_MAX:
             raise InvalidArgumentError(f"store add of {key!r}: the amount must be a 64-bit "
                                        f"integer, got one of {n.bit_length()} bits")

@@ -113,6 +113,13 @@ def test_key_from_environment():
     assert run_ranks(env_key, 2, free_port()) == [([0, 1], True)] * 2
 
 
+def test_an_empty_auth_key_is_refused_not_taken_for_none():
+    """(before: auth_key="" formed a group without authentication, silently)"""
+    for empty in ("", b""):
+        with pytest.raises(ctrlcomm.InvalidArgumentError, match="auth_key is empty"):
+            ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, auth_key=empty, timeout=5)
+
+
 def test_store_with_key_ignores_clients_without_it():
     with ctrlcomm.StoreServer("127.0.0.1", 0, auth_key=KEY) as srv:
         good = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key=KEY, timeout=2)

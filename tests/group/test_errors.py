@@ -397,7 +397,7 @@ def test_a_reduction_error_names_the_ranks_whose_operands_did_not_combine(n, cod
         if ctrlcomm._algo.choose("all_reduce", n).__name__ in ("all_reduce_flat",
                                                                 "all_reduce_star"):
             # a fold in rank order: the ranks before the odd one, and it
-            assert ranks == tuple(range(bad + 1)), ranks
+            assert ranks == list(range(bad + 1)), ranks  # (a list, as PeerLostError's)
         assert msg.split(": ", 1)[1] == res[0][0][0][0].split(": ", 1)[1]  # (but "on rank r")
         if r == n - 1:
             assert red[1] and bad in red[1] and "different lengths" in red[0], red
@@ -495,7 +495,7 @@ def recv_timeout_keeps_group(g):
         try:
             g.recv(1, timeout=0.3)
         except ctrlcomm.CollectiveTimeoutError as e:
-            first = str(e)
+            first = (str(e), e.op, e.waiting_for)
         g.barrier()
         return first, g.recv(1)
     g.barrier()
@@ -504,9 +504,36 @@ def recv_timeout_keeps_group(g):
 
 
 def test_recv_timeout_leaves_group_usable():
-    msg, late = run_group(recv_timeout_keeps_group, 2)[0]
+    (msg, op, waiting_for), late = run_group(recv_timeout_keeps_group, 2)[0]
     assert "recv(src=1, tag=0)" in msg and "[1]" in msg
+    # (.op the operation, as a collective's is: before, "recv(src=1, tag=0)")
+    assert op == "recv" and waiting_for == [1]
     assert late == "late"
+
+
+def band_of_floats(g):
+    import numpy as np
+    import torch
+
+    out = []
+    for v in (1.5, np.float64(1.5), np.ones(2), torch.ones(2), np.ones(2, dtype=np.int8),
+              torch.ones(2, dtype=torch.bool)):
+        try:
+            r = g.all_reduce(v, op="band")
+            out.append(("ok", type(r).__name__))
+        except ctrlcomm.OperandError as e:
+            out.append(("OperandError", f"rank {g.rank}" in str(e)))
+    return out, g.all_reduce(1)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_band_of_a_float_array_is_an_operand_error_at_every_world_size(n):
+    """(before: returned as it was at world size 1, a ReductionError blaming the combining
+    of two ranks' operands at 2)"""
+    for out, after in run_group(band_of_floats, n):
+        assert out[:4] == [("OperandError", True)] * 4, out
+        assert [k for k, _ in out[4:]] == ["ok", "ok"], out
+        assert after == n
 
 
 def ranks_with_different_algorithms(g):
@@ -1373,6 +1400,11 @@ def test_from_env_missing_variables(monkeypatch):
         monkeypatch.delenv(v, raising=False)
     with pytest.raises(ctrlcomm.InvalidArgumentError, match="CTRLCOMM_PORT"):
         ctrlcomm.Group.from_env()
+    # what the environment gives is not also a keyword (before: a bare TypeError, "got
+    # multiple values for argument 'rank'")
+    with pytest.raises(ctrlcomm.InvalidArgumentError, match="rank, world_size come from the "
+                                                            "environment.*Group.create"):
+        ctrlcomm.Group.from_env(rank=0, world_size=1)
 
 
 def test_bad_timeouts_are_invalid_arguments_naming_them(monkeypatch):

@@ -25,8 +25,11 @@ def test_client_calls(store):
     assert c.set_if_absent("k", "zz") == (False, b"v2")
     assert c.check(["a", "k"]) and not c.check(["a", "nope"])
     assert c.delete_key("a") and not c.delete("a")
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as e:
         c.get("a", wait=False)
+    # (a KeyError, as TCPStore's users expect, and a StoreError: every error ctrlcomm
+    # raises derives from CtrlcommError)
+    assert isinstance(e.value, ctrlcomm.StoreError)
     other = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="other/")
     with pytest.raises(KeyError):
         other.get("k", wait=False)  # namespaced: another prefix sees nothing
@@ -161,8 +164,9 @@ def test_a_value_that_is_not_str_or_bytes_is_refused_as_by_tcpstore(store):
     # (before: bytes(3), three zero bytes, were stored for the int 3)
     c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
     for bad in (3, 2.5, None, ["a"]):
-        with pytest.raises(TypeError, match=type(bad).__name__):
+        with pytest.raises(TypeError, match=type(bad).__name__) as e:
             c.set("k", bad)
+        assert isinstance(e.value, ctrlcomm.InvalidArgumentError)  # (and a CtrlcommError)
     with pytest.raises(TypeError):
         c.compare_set("k", "", 3)
     c.set("k", bytearray(b"ok"))
@@ -178,8 +182,9 @@ def test_a_str_where_keys_are_listed_is_refused_not_split_into_characters(store)
     for call in (lambda: c.check("ready"), lambda: c.wait("ready"),
                  lambda: c.exists("ready"), lambda: c.multi_get("ready"),
                  lambda: c.multi_delete("ready"), lambda: c.check(b"ready")):
-        with pytest.raises(TypeError, match="a list of keys.*'ready'"):
+        with pytest.raises(TypeError, match="a list of keys.*'ready'") as e:
             call()
+        assert isinstance(e.value, ctrlcomm.InvalidArgumentError)
     assert c.check(["ready"]) and c.get("ready") == b"1"  # (nothing deleted)
     c.close()
 
