@@ -740,7 +740,8 @@ class Group:
         port = port_arg(port)
         if auth_key is None:
             auth_key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
-        elif not auth_key:  # (a key read from an empty variable or file: no protection)
+        elif not auth_key:  # (given, but empty: a key read from an empty file, say; an
+            # empty CTRLCOMM_AUTH_KEY is unset, as shells have it)
             raise InvalidArgumentError("Group.create: auth_key is empty; give a secret, or "
                                        "None for no authentication")
         key = auth_key.encode() if isinstance(auth_key, str) else auth_key

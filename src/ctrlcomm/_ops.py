@@ -194,8 +194,8 @@ def plain_types(op: Op) -> frozenset[type]:
 def _integral_dtype(dtype: Any) -> bool:
     """Whether an array's (numpy's or torch's) elements are ints or bools."""
     kind = getattr(dtype, "kind", None)  # numpy: "b", "i", "u"; "f", "c"...
-    if isinstance(kind, str):
-        return kind in "biu"
+    if isinstance(kind, str):  # (objects, "O": Python ints, say; their & says what fails)
+        return kind in "biuO"
     return not (getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False))
 
 

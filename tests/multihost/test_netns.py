@@ -183,8 +183,12 @@ from ctrlcomm.torch import init_torch_process_group
 tpg = init_torch_process_group(pg, backend="gloo", timeout=30)
 t = torch.tensor([rank + 1.0])
 tpg.allreduce([t]).wait()
+pg.barrier(timeout=30)  # (every rank done with gloo)
 print(json.dumps({"uid": uid.decode(), "ranks": ranks, "prev": prev, "gloo": t.item()}),
       flush=True)
+pg.close()
+import os
+os._exit(0)  # (torch aborts now and then at exit with a gloo group alive, ctrlcomm or not)
 """
 
 
