@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from . import _ops, _plans
+from . import _ops, _plans, _transport
 from . import _wire as w
 from ._algo import choose
 from ._core import Call, Core, run_async, run_sync
@@ -1117,15 +1117,40 @@ def close_when_dropped(obj: object, fn: Callable[..., None], *args: Any
     return f
 
 
+_closing = [False]  # whether the closer thread is closing one now
+
+
 def _close_dropped() -> None:
     while True:
         fn, args, pid = _dropped.get()
+        _closing[0] = True
         try:
             if pid == os.getpid():  # (in a forked child the sockets are the parent's)
                 fn(*args)
         except Exception as e:  # (nobody to raise it to)
             log.debug("closing a dropped group failed: %s: %s", type(e).__name__, e)
+        finally:
+            _closing[0] = False
         del fn, args, pid
+
+
+def _await_closer(timeout: float) -> None:
+    """At exit: wait (at most ``timeout`` s) for the groups collected so far to be closed,
+    so that what they queued goes out with the rest (the closer is a daemon thread, which
+    the exit does not wait for: a group collected as its process returned lost what it
+    still had queued). Looked at twice, 5 ms apart: the closer takes an item, then says it
+    is closing."""
+    end = time.monotonic() + timeout
+    quiet = 0
+    while quiet < 2 and time.monotonic() < end:
+        if _dropped.empty() and not _closing[0]:
+            quiet += 1
+        else:
+            quiet = 0
+        time.sleep(0.005)
+
+
+_transport.BEFORE_EXIT_FLUSH.append(_await_closer)
 
 
 class AioGroup:

@@ -37,6 +37,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -1030,6 +1031,7 @@ class TcpEndpoint:
         self.yielding = 0  # awaited calls giving the loop a turn before they start (run_async)
         self._pid = os.getpid()  # (a forked child's close leaves the parent's sockets be)
         _live.add(self)
+        _flush_at_mp_exit()
 
     def set_peers(self, peers: dict[int, str], local: dict[int, str] | None = None) -> None:
         """Peers' TCP endpoints, and their local addresses where they published one."""
@@ -1812,14 +1814,46 @@ def _same_user(s: socket.socket) -> bool:
 _live: weakref.WeakSet[TcpEndpoint] = weakref.WeakSet()
 
 
+# What runs at exit before the flush, given the seconds it may take (the group module's:
+# wait for the groups collected unclosed to be closed)
+BEFORE_EXIT_FLUSH: list[Callable[[float], None]] = []
+
+
 @atexit.register
 def _flush_at_exit() -> None:
     """Deliver what open endpoints still have queued when the process exits (at most
-    LINGER_MS in all), as ZeroMQ does when its context is terminated at exit."""
+    LINGER_MS in all), as ZeroMQ does when its context is terminated at exit; and wait, in
+    that time, for the lingering of groups closed just before (their threads: an exit
+    past the point where it waits for threads, as atexit is, would not)."""
+    end = time.monotonic() + LINGER_MS / 1000
+    for hook in BEFORE_EXIT_FLUSH:
+        hook(max(end - time.monotonic(), 0.0))
     conns = [c for ep in list(_live) if not ep.closed and ep._pid == os.getpid()
              for c in ep.out.values() if c.pending and c.sock.fileno() >= 0]
     if conns:
         _linger(conns, close=False)
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and t.name in ("ctrlcomm-linger", "ctrlcomm-zmq-linger"):
+            t.join(max(end - time.monotonic(), 0.0))
+
+
+_mp_flush_pid = 0  # the process whose multiprocessing exit flushes (see below)
+
+
+def _flush_at_mp_exit() -> None:
+    """In a process multiprocessing started, :func:`_flush_at_exit` at its exit too: such a
+    process leaves through ``os._exit`` (its ``atexit`` functions do not run), after its
+    own finalizers (``multiprocessing.util.Finalize``, registered here once per process: a
+    forked child's registry starts empty). Before, a rank that returned with its group
+    unclosed lost what was still queued for its peers (they saw it "gone")."""
+    global _mp_flush_pid
+    if _mp_flush_pid == os.getpid():
+        return
+    _mp_flush_pid = os.getpid()
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:  # (not imported: a plain process, whose atexit flushes)
+        mp_util.Finalize(None, _flush_at_exit, exitpriority=10)
 
 
 def _linger(conns: list[_Conn], close: bool = True) -> None:

@@ -867,6 +867,35 @@ def test_what_a_rank_sent_before_it_closed_and_exited_arrives(transport):
     assert got[1] == [(i, 48 << 20) for i in range(3)]
 
 
+def send_then_return_unclosed(rank, size, port):
+    """Rank 0, a process multiprocessing started (as vLLM's workers are), sends 12 MiB and
+    returns with its group unclosed (vLLM's API has no close: code drops the group): what
+    is still queued in the process goes out as it exits, as it does at a plain process's
+    exit. Rank 1 reads late."""
+    import time
+
+    import ctrlcomm
+
+    g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30)
+    n = 48
+    if rank == 0:
+        for i in range(n):
+            g.send(bytes([i]) * (256 * 1024), dst=1)
+        return "sent"  # (and the process leaves through os._exit, after its finalizers)
+    time.sleep(1.0)
+    got = [g.recv(0)[0] for _ in range(n)]
+    g.close()
+    return got == list(range(n))
+
+
+def test_what_a_multiprocessing_rank_sent_arrives_though_it_left_its_group_unclosed():
+    """(before: rank 1 got PeerLostError, "rank 0 is gone (connection closed; ...)": the
+    process's atexit flush does not run where multiprocessing ends it with os._exit)"""
+    from ctrlcomm.testing import free_port, run_ranks
+
+    assert run_ranks(send_then_return_unclosed, 2, free_port(), timeout=60) == ["sent", True]
+
+
 def close_after_a_peer_left(rank, size, port):
     """Rank 1 closes and exits; rank 0 then sends to it (a collective that fails on it) and
     closes: nothing it queued for rank 1 is lingered for."""
