@@ -45,6 +45,7 @@ from ._transport import (
     TcpEndpoint,
     _parse_tcp,
     _tcp,
+    _wildcard,
     curve_available,
     local_address_for,
     make_endpoint,
@@ -1223,14 +1224,6 @@ class AioGroup:
 
 def _host_of(endpoint: str) -> str:
     return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-
-
-def _wildcard(host: str) -> bool:
-    """Whether ``host`` (a number) is an unspecified address: 0.0.0.0, ::, ::0..."""
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
 
 
 def _reachable(endpoint: str, store_address: str) -> str:

@@ -177,11 +177,18 @@ def local_address_for(host: str, port: int) -> str:
         return str(s.getsockname()[0])
 
 
+def _wildcard(host: str) -> bool:
+    """Whether ``host`` (a number) is an unspecified address: 0.0.0.0, ::, ::0..."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 def _dual_stack(sock: socket.socket, bind_host: str) -> None:
     """A socket to bind on the IPv6 wildcard takes IPv4 too (as Linux's default does; set
     here, not left to net.ipv6.bindv6only): peers given an IPv4 wildcard find it there."""
-    if sock.family == socket.AF_INET6 and _numeric(bind_host) \
-            and ipaddress.ip_address(bind_host).is_unspecified:
+    if sock.family == socket.AF_INET6 and _wildcard(bind_host):
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
 
 

@@ -28,8 +28,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from ._errors import FormationError, FormationTimeoutError, InvalidArgumentError
-from ._group import Group, _bind_address, _host_of, _timeout_arg, _wildcard
-from ._transport import StoreServer, local_address_for, resolve
+from ._group import Group, _bind_address, _host_of, _timeout_arg
+from ._transport import StoreServer, _wildcard, local_address_for, resolve
 
 __all__ = ["group_from_torch", "init_torch_process_group"]
 
