@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -33,6 +34,7 @@ MAX_VALUE = 16 * 1024 * 1024
 MAX_KEYS_STORED = 1_000_000
 MAX_WAITERS = 100_000
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_KEY_LEN = struct.Struct("<I")  # each key of a list_keys reply: its length, then its bytes
 
 
 @dataclass(slots=True)
@@ -96,6 +98,12 @@ class StoreState:
                 raise _Refused(f"value longer than {MAX_VALUE} bytes")
         if op == w.S_PING:
             return [(peer, w.StoreReply(w.R_OK, req.req_id))]
+        if op == w.S_NUM_KEYS:
+            return [(peer, w.StoreReply(w.R_OK, req.req_id, (str(len(self.data)).encode(),)))]
+        if op == w.S_LIST_KEYS:
+            prefix = keys[0] if keys else b""
+            listed = b"".join(_KEY_LEN.pack(len(k)) + k for k in self.data if k.startswith(prefix))
+            return [(peer, w.StoreReply(w.R_OK, req.req_id, (listed,)))]
         if op in (w.S_GET, w.S_WAIT):
             if not self._missing(keys):
                 return [self._answer(peer, req)]
@@ -486,6 +494,25 @@ class StoreClient:
 
     def ping(self, *, timeout: float | None = None) -> None:
         self._call(w.S_PING, [], (), timeout)
+
+    def num_keys(self, *, timeout: float | None = None) -> int:
+        """How many keys the store holds, every client's (TCPStore's; as with its
+        PrefixStore, a client's ``prefix`` does not narrow the count). A group's formation
+        keeps a few keys of its own there."""
+        return int(self._call(w.S_NUM_KEYS, [], (), timeout).values[0])
+
+    def list_keys(self, *, timeout: float | None = None) -> list[str]:
+        """The keys the store holds under this client's ``prefix``, without it (TCPStore's;
+        in no particular order)."""
+        prefix = _b(self.prefix)
+        rep = self._call(w.S_LIST_KEYS, [prefix], (), timeout)
+        data, out, at, cut = rep.values[0], [], 0, len(prefix)
+        while at < len(data):
+            (n,) = _KEY_LEN.unpack_from(data, at)
+            at += _KEY_LEN.size
+            out.append(data[at + cut:at + n].decode(errors="replace"))
+            at += n
+        return out
 
     def close(self) -> None:
         """Close the connection; a call waiting in another thread raises StoreError (never

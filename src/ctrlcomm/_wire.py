@@ -409,9 +409,12 @@ S_WAIT = 6  # keys=[k...]; waits for all to exist
 S_DELETE_PREFIX = 7  # keys=[prefix]
 S_CHECK = 8  # keys=[k...]; reply b"1"/b"0" each, no wait
 S_PING = 9
+S_NUM_KEYS = 10  # no keys; reply [count as ascii]
+S_LIST_KEYS = 11  # keys=[prefix]; reply [each key held that starts with it: u32 length, bytes]
 STORE_OP_NAME = {S_SET: "set", S_GET: "get", S_ADD: "add", S_CAS: "compare_set",
                  S_DELETE: "delete", S_WAIT: "wait", S_DELETE_PREFIX: "delete_prefix",
-                 S_CHECK: "check", S_PING: "ping"}
+                 S_CHECK: "check", S_PING: "ping", S_NUM_KEYS: "num_keys",
+                 S_LIST_KEYS: "list_keys"}
 STORE_OPS = frozenset(STORE_OP_NAME)
 
 # reply statuses

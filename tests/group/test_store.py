@@ -96,6 +96,61 @@ def test_compare_set_answers_as_torchs_tcpstore(store):
     ours.close()
 
 
+def test_num_keys_and_list_keys_answer_as_tcpstores(store):
+    """``pg.store.num_keys()`` and ``list_keys()``, as code written for TCPStore calls them:
+    the count is of every key (a prefix does not narrow it, as with torch's PrefixStore);
+    the list is of this client's keys, without its prefix."""
+    a = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="nk/")
+    b = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="nk-other/")
+    base = a.num_keys()
+    assert isinstance(base, int) and base >= 0 and sorted(a.list_keys()) == []
+    a.set("x", "1")
+    a.add("n", 2)
+    a.set("caf\u00e9/\u4e2d", b"")  # (a key that is not ASCII comes back as given)
+    b.set("x", "2")
+    assert a.num_keys() == b.num_keys() == base + 4
+    assert sorted(a.list_keys()) == sorted(["x", "n", "caf\u00e9/\u4e2d"])
+    assert b.list_keys() == ["x"]
+    assert a.delete_key("x")
+    assert a.num_keys() == base + 3 and "x" not in a.list_keys()
+    whole = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+    assert {"nk/n", "nk-other/x"} <= set(whole.list_keys())
+    assert len(whole.list_keys()) == whole.num_keys()
+    for c in (a, b, whole):
+        c.close()
+    with pytest.raises(ctrlcomm.StoreError, match="closed"):
+        a.num_keys()
+
+    dist = pytest.importorskip("torch.distributed")  # the same answers from TCPStore's
+    from datetime import timedelta
+
+    theirs = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=5))
+    ours = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="nk3/")
+    for s in (theirs, ours):
+        s.set("p", "1")
+        s.add("q", 1)
+    assert sorted(ours.list_keys()) == sorted(k for k in theirs.list_keys() if k in "pq")
+    assert isinstance(theirs.num_keys(), int) and isinstance(ours.num_keys(), int)
+    ours.close()
+
+
+def vllm_store_keys(rank, size, port):
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    pg.store.set(f"mine/{rank}", str(rank))
+    pg.barrier()
+    keys = sorted(k for k in pg.store.list_keys() if k.startswith("mine/"))
+    n = pg.store.num_keys()
+    pg.barrier()
+    return keys, n >= size
+
+
+def test_a_vllm_groups_store_lists_and_counts_its_keys():
+    got = run_ranks(vllm_store_keys, 2, free_port(), timeout=60)
+    assert got == [(["mine/0", "mine/1"], True)] * 2
+
+
 def test_get_waits_for_a_later_set(store):
     c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
 

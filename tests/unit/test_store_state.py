@@ -22,6 +22,18 @@ def test_set_get_add_delete():
     assert s.handle(b"p", req(w.S_DELETE, [b"k", b"zz"]), 0)[0][1].values == (b"1",)
 
 
+def test_num_keys_counts_every_key_and_list_keys_those_under_a_prefix():
+    s = StoreState()
+    for k in (b"a/1", b"a/22", b"b/1", b"a"):
+        s.handle(b"p", req(w.S_SET, [k], [b"v"]), 0)
+    assert s.handle(b"p", req(w.S_NUM_KEYS, []), 0)[0][1].values == (b"4",)
+    (listed,) = s.handle(b"p", req(w.S_LIST_KEYS, [b"a/"]), 0)[0][1].values
+    assert listed == b"\x03\x00\x00\x00a/1" + b"\x04\x00\x00\x00a/22"
+    assert s.handle(b"p", req(w.S_LIST_KEYS, [b"zz"]), 0)[0][1].values == (b"",)
+    frames = w.encode_store_request(req(w.S_LIST_KEYS, [b"a/"]))  # (the wire knows them)
+    assert w.decode_store_request(frames).op == w.S_LIST_KEYS
+
+
 def test_waiting_get_is_answered_by_a_later_set_or_expires():
     s = StoreState()
     assert s.handle(b"a", req(w.S_GET, [b"x", b"y"], timeout=5, rid=9), 0.0) == []
