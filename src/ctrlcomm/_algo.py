@@ -73,15 +73,20 @@ def setting_problems() -> list[str]:
         ([_SMALL_WORLD_PROBLEM] if _SMALL_WORLD_PROBLEM else [])
 
 
-if _problems := setting_problems():  # (a typo would silently run the default: say so, once)
-    import warnings
-
-    warnings.warn("; ".join(_problems), RuntimeWarning, stacklevel=2)
+_warned = [False]
 
 
 @functools.lru_cache(maxsize=256)
 def choose(op: str, n: int) -> Callable[..., _plans.Plan]:
     """The plan of collective ``op`` in a world of ``n`` ranks (the same for every call)."""
+    if not _warned[0]:
+        # a typo would silently run the default: said once, as the first collective is
+        # planned (not at import: a command that refuses such a setting says so itself)
+        _warned[0] = True
+        if problems := setting_problems():
+            import warnings
+
+            warnings.warn("; ".join(problems), RuntimeWarning, stacklevel=3)
     variants = VARIANTS[op]
     forced = OVERRIDES.get(op)
     if forced in variants:

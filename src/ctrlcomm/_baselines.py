@@ -360,6 +360,27 @@ def mpi_missing() -> str | None:
     return None
 
 
+def _ended_with_parent() -> Callable[[], None] | None:
+    """What a process started here runs before it executes its program so that it gets
+    SIGTERM when the thread that started it ends (Linux's PR_SET_PDEATHSIG): mpiexec then
+    ends its ranks also where the bench was killed outright (SIGKILL), before any cleanup of
+    its own could run; None where there is no prctl."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # (looked up here, not in the child)
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def tie() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # (the parent ended before that)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return tie
+
+
 def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
     """Run the ops under ``mpiexec -n N`` (MPICH) and collect each rank's figures. Raises
     ``subprocess.SubprocessError`` if it fails or runs past ``cfg["timeout"]`` (default 900 s;
@@ -378,7 +399,7 @@ def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
         err_path = os.path.join(tmp, "stderr")
         with open(err_path, "wb") as err, \
                 subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                 start_new_session=True) as p:
+                                 start_new_session=True, preexec_fn=_ended_with_parent()) as p:
             try:
                 code = p.wait(timeout)
             except BaseException:  # past the timeout, or Ctrl-C / SIGTERM to the bench

@@ -457,7 +457,7 @@ LEGEND = ("med, p99: per iteration the slowest rank's time, then the median and 
           "percentile over iterations; cpu: CPU time per op per rank; x: that system's "
           "median over {base}'s (above 1: {base} is faster); n/a: not run (the system "
           "has no such op: gloo no all_to_all of objects, star only all_reduce of a few "
-          "ints)")
+          "ints; or its run failed, as said before the table)")
 
 
 def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
@@ -590,6 +590,8 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
             try:
                 per_rank = run_mpi(n, ncfg)
             except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
+                for _ in plan:  # (the bar ends full, also where a run failed)
+                    bar.step(f"mpi N={n} failed")
                 raise RankFailedError(f"mpiexec: {type(e).__name__}: {e}", {}) from e
             for op, size in plan:
                 bar.step(f"mpi N={n} {op} {fmt_size(size) if size else ''}")
@@ -613,16 +615,19 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
         with StoreServer("127.0.0.1", 0, auth_key=env_key()) as srv:
             c = dict(ncfg, host="127.0.0.1", port=srv.port, host_store=False,
                      tag=f"{system}{n}")
+            ok = False
             try:
                 per_rank = run_ranks(_bench_child, n, system, c, q, ignore_sigint=True,
                                      timeout=ncfg.get("timeout", 900), fail_fast=True)
+                ok = True
             finally:
                 stop.set()
                 th.join()
-            # the ops this system does not offer (gloo: all_to_all; star: all but a small
-            # all_reduce), and progress reports still queued: the bar ends full
-            for _ in range(len(plan) - stepped[0]):
-                bar.step(f"{system} N={n} done")
+                # the ops this system does not offer (gloo: all_to_all; star: all but a
+                # small all_reduce), progress reports still queued, and what a failed run
+                # left undone: the bar ends full
+                for _ in range(len(plan) - stepped[0]):
+                    bar.step(f"{system} N={n} {'done' if ok else 'failed'}")
             return per_rank
 
     for n in world_sizes:
@@ -634,7 +639,9 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
         each: dict[str, list[dict[tuple[str, int], dict[str, Any]]]] = {s: [] for s in systems}
         for _ in range(repeat):
             for system in systems:
-                if (system, n) in failed:
+                if (system, n) in failed:  # (in an earlier turn)
+                    for _ in op_sizes(cfgs[n]["ops"], cfgs[n]["sizes"]):
+                        bar.step(f"{system} N={n} left out")
                     continue
                 try:
                     per_rank = run_one(n, system)

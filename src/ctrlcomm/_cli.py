@@ -140,7 +140,10 @@ def _bench(args: argparse.Namespace) -> int:
 
     problems = setting_problems()
     if problems and not args.from_json:  # (a run would say it used them)
-        print("ctrlcomm bench: " + "; ".join(problems), file=sys.stderr)
+        # (a library call warns and runs its default; a bench run would record the setting)
+        print("ctrlcomm bench: refused: " + "; ".join(p.removesuffix(" (ignored)")
+                                                       for p in problems)
+              + " (fix or unset it)", file=sys.stderr)
         return 2
 
     multihost = _multihost(args)
@@ -181,6 +184,10 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"--json and --plot name the same file ({args.json}): one would overwrite the "
               "other", file=sys.stderr)
         return 2
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not path.strip():  # (`--json "$OUT"` with OUT unset)
+            print(f"{opt}: the file name is empty", file=sys.stderr)
+            return 2
     for opt, path in (("--json", args.json), ("--plot", args.plot)) if writes else ():
         if path and not _writable(path):
             print(f"{opt} {path}: cannot write there (a folder, no such folder, or not "
@@ -207,8 +214,10 @@ def _bench(args: argparse.Namespace) -> int:
             systems = [s for s in dict.fromkeys(order) if s in held]
             systems += [s for s in held if s not in systems]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            print(f"--from-json {args.from_json}: not the results of a bench run "
-                  f"({type(e).__name__}: {e})", file=sys.stderr)
+            print(f"--from-json {args.from_json}: " + (
+                f"cannot read it ({e.strerror})" if isinstance(e, OSError) and e.strerror
+                else f"not the results of a bench run ({type(e).__name__}: {e})"),
+                file=sys.stderr)
             return 2
     elif multihost:
         # any of the four means one rank of a multi-host run: never a local run instead
@@ -291,31 +300,51 @@ def _bench(args: argparse.Namespace) -> int:
         return 1
     # ctrlcomm stays the first column, the base of the ratios, even where its run failed
     shown = systems[:1] + [s for s in systems[1:] if any(r["system"] == s for r in rows)]
-    print(b.table(rows, shown))
     if not args.from_json:
         b.record_speed_after(cfg)
-    ran_on = b.describe_host(cfg)
-    if ran_on:
-        print(ran_on)
+    # the files first: what the run measured is kept whatever becomes of standard output
+    # (a pipe closed by `| head`, a full disk)
+    wrote, code = [], 0
     if args.json:
         try:
             b.write_json(args.json, rows, cfg, failed)
+            wrote.append(args.json)
         except OSError as e:
             print(f"--json {args.json}: {e}", file=sys.stderr)
-            return 1
-        print(f"wrote {args.json}")
+            code = 1
     if args.plot:
         b.plot(args.plot, rows)
-        print(f"wrote {args.plot}")
+        wrote.append(args.plot)
+    ran_on = b.describe_host(cfg)
+    _say(b.table(rows, shown), *([ran_on] if ran_on else []), *(f"wrote {f}" for f in wrote))
     if failed:
         print("left out, their runs failed: " + ", ".join(f"{s} at {n} ranks"
                                                           for s, n in failed), file=sys.stderr)
-        return 0 if args.from_json else 1  # (a saved run shown again: shown as it was)
-    return 0
+        return code or (0 if args.from_json else 1)  # (a saved run shown again: as it was)
+    return code
+
+
+def _say(*lines: str) -> None:
+    """Print ``lines``; where standard output is gone (a closed pipe, a full disk), say so
+    once on standard error instead of a traceback (the files are written already)."""
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except OSError as e:
+        try:  # (and no second error as Python flushes it at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        try:
+            print(f"ctrlcomm bench: could not print the table ({e.strerror or e})",
+                  file=sys.stderr)
+        except OSError:
+            pass
 
 
 def _bench_main(args: argparse.Namespace) -> int:
-    """:func:`_bench`, ended cleanly by SIGTERM as by Ctrl-C: the ranks (and mpiexec) it
+    """:func:`_bench`, ended cleanly by SIGTERM and SIGHUP as by Ctrl-C: the ranks (and mpiexec) it
     started are stopped (by pid, in the runner's cleanup) and it exits with 128 + the
     signal's number, as a shell reports a process the signal ended (130 for Ctrl-C, 143
     for SIGTERM)."""
@@ -325,18 +354,24 @@ def _bench_main(args: argparse.Namespace) -> int:
         got.append(signum)
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, on_term) \
-        if threading.current_thread() is threading.main_thread() else None
+    # (SIGHUP too: the terminal or ssh session the bench ran in closed)
+    ends = [signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
+    old = {sig: signal.signal(sig, on_term) for sig in ends} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
         return _bench(args)
     except KeyboardInterrupt:
-        print("\nctrlcomm bench: " + ("terminated" if got else "interrupted")
-              + ("" if _multihost(args) else "; the ranks it started are stopped"),
-              file=sys.stderr)
+        why = ("terminated" if got[0] == signal.SIGTERM else "hung up") if got else "interrupted"
+        try:
+            print(f"\nctrlcomm bench: {why}"
+                  + ("" if _multihost(args) else "; the ranks it started are stopped"),
+                  file=sys.stderr)
+        except OSError:  # (no terminal left to say it on)
+            pass
         return 128 + (got[0] if got else signal.SIGINT)
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -224,6 +224,8 @@ class Core:
         # what a peer's answer said of the collective it is in or returned from last:
         # (seq, opcode, root)
         self.status_call: dict[int, tuple[int, int, int]] = {}
+        # the peers whose last answer said they are in a collective (not returned from it)
+        self.status_in_call: set[int] = set()
         self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
         self.suspects: dict[int, tuple[float, str]] = {}  # peer -> (grace ends, why)
         self.dropped: Counter[str] = Counter()
@@ -398,6 +400,10 @@ class Core:
             self._answer_status(m.src)
         elif k == w.STATUS_REP:
             self.status[m.src] = (self.seq, bytes(m.payload).decode(errors="replace"))
+            if m.round == w.STATUS_IN_CALL:
+                self.status_in_call.add(m.src)
+            else:
+                self.status_in_call.discard(m.src)
             if m.round in (w.STATUS_IN_CALL, w.STATUS_RETURNED):
                 self.status_call[m.src] = (seq, op, root)
                 a = self.active
@@ -561,6 +567,19 @@ class Core:
         e.__cause__ = c
         return e
 
+    def _cause_in(self, call: str) -> BaseException:
+        """What ``call``, in progress, raises on finding the group broken meanwhile by
+        :attr:`cause`: where a peer was lost (reported by another rank, or it aborted), a
+        PeerLostError naming the same ranks and this call, not only the reporter's (its text
+        describes that rank's call); else the cause as it is."""
+        c = self.cause
+        if type(c) is not PeerLostError:
+            return c  # type: ignore[return-value]
+        e = PeerLostError(f"{call} on group {self.name!r} cannot complete on rank "
+                          f"{self.rank}: {c}", ranks=c.ranks)
+        e.__cause__ = c
+        return e
+
     def brk(self, cause: BaseException) -> None:
         if self.state == "open":
             self.cause = cause  # (first: a call in another thread raises it once broken)
@@ -679,7 +698,7 @@ class Core:
                     else:
                         missing = list(recvs)
                     if self.state == "broken":
-                        raise self.cause  # type: ignore[misc]
+                        raise self._cause_in(f"{name} #{seq}")
                     now = _monotonic()
                     if now < probe_at and now < self._live_until and not self.gone \
                             and not self.suspects and not self.paused:
@@ -725,6 +744,17 @@ class Core:
                     and "(reported by rank" not in str(e):
                 # the others may be waiting for this rank's part of a call it did not make
                 self._notify_mismatch(e)
+            elif isinstance(e, CollectiveTimeoutError) and self.state == "open" \
+                    and e.waiting_for:
+                # this rank's group breaks: the ranks it waited for that are late (not in
+                # this call when they last answered) are told, or one would wait all its
+                # own timeout for this rank's part once it came, and then call it "not in a
+                # ctrlcomm call". (Not the others: those in this call wait for the same
+                # ranks, or for one that does, and time out saying so, not that this rank
+                # gave up a moment before them.)
+                late = [r for r in e.waiting_for if not (
+                    r in self.status_in_call and self.status_call.get(r, (-1,))[0] == seq)]
+                self._tell_peers(w.ABORT, str(e)[:BYE_TEXT], seq, w.ABORT_AT_CALL, to=late)
             elif isinstance(e, CodecError) and self.state == "open":
                 # an object from a peer that cannot be decoded here: this rank's group
                 # breaks; the others, the sender too, are told (not left waiting for it)
@@ -1023,7 +1053,7 @@ class Core:
             if not full:
                 return
             if self.state == "broken":  # (a step that completed may still send after it)
-                raise self.cause  # type: ignore[misc]
+                raise self._cause_in(name if seq is None else f"{name} #{seq}")
             self.waiting_for = full
             self.pump()
             # the pump may have sent it all: then no event would end a wait (two ranks
@@ -1075,6 +1105,7 @@ class Core:
             for s in missing:
                 self.status.pop(s, None)
                 self.status_call.pop(s, None)
+                self.status_in_call.discard(s)
                 self._send_raw(s, w.STATUS_REQ, b"")
             return min(deadline, suspect_at) - now
         if seq is not None:  # a collective: ask early, then less and less often
@@ -1291,7 +1322,7 @@ class Core:
                 if self.state == "broken":  # (as a collective's wait raises it)
                     c = self.cause
                     if isinstance(c, GroupBrokenError):
-                        raise c
+                        raise self._cause_in(name)
                     raise GroupBrokenError(str(c)) from c
                 yield self._wait([src], deadline, t, name, None)
         finally:
@@ -1394,10 +1425,12 @@ class Core:
                                  else f"{type(cause).__name__}: {cause}"[:BYE_TEXT])
                 self.ep.close(gone=set(self.gone))  # (nothing to linger for: see there)
 
-    def _tell_peers(self, kind: int, text: str, seq: int = 0, rnd: int = 0) -> None:
-        """A control message to every peer not known gone (best effort)."""
+    def _tell_peers(self, kind: int, text: str, seq: int = 0, rnd: int = 0,
+                    to: Sequence[int] | None = None) -> None:
+        """A control message to every peer (or those of ``to``) not known gone (best
+        effort)."""
         payload = text.encode()
-        for p in range(self.size):
+        for p in range(self.size) if to is None else to:
             if p != self.rank and p not in self.gone:
                 self._send_raw(p, kind, payload, seq, rnd)
         if kind == w.ABORT:

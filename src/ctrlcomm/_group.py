@@ -79,7 +79,7 @@ def _p2p_args(core: Core, peer: Any, what: str, tag: Any, timeout: Any, op: str
     """A point-to-point call's peer (``what``: "dst" or "src"; this rank itself too), tag and
     timeout, checked."""
     return (_rank_arg(core, peer, what, op), _tag_arg(core, tag, op),
-            _timeout_arg(timeout, op))
+            _timeout_arg(timeout, op, core.rank))
 
 
 def _seconds(value: Any) -> float:
@@ -116,12 +116,13 @@ def _env_liveness(raw: str | None) -> float | None:
 LIVENESS_TIMEOUT_S = _env_liveness(os.environ.get("CTRLCOMM_LIVENESS_TIMEOUT"))
 
 
-def _timeout_arg(timeout: Any, op: str) -> float | None:
+def _timeout_arg(timeout: Any, op: str, rank: int | None = None) -> float | None:
     if timeout is None:
         return None
     t = _seconds(timeout)
     if not t > 0:
-        raise InvalidArgumentError(f"{op}: timeout must be > 0 seconds, got {show(timeout)}")
+        where = op if rank is None else f"{op} on rank {rank}"
+        raise InvalidArgumentError(f"{where}: timeout must be > 0 seconds, got {show(timeout)}")
     return t
 
 
@@ -372,7 +373,7 @@ _MAY_FAIL = frozenset({_ops.Failed, list})
 
 def _run_sync(core: Core, call: Call, timeout: float | None) -> Any:
     r = run_sync(core, core.collective(call, None if timeout is None
-                                       else _timeout_arg(timeout, call.name)))
+                                       else _timeout_arg(timeout, call.name, core.rank)))
     if call.reduces and (type(r) in _MAY_FAIL or type(call.args[0]) in _MAY_FAIL):
         return _reduced(call, core, r)
     return r
@@ -380,7 +381,7 @@ def _run_sync(core: Core, call: Call, timeout: float | None) -> Any:
 
 async def _run_async(core: Core, call: Call, timeout: float | None) -> Any:
     r = await run_async(core, core.collective(call, None if timeout is None
-                                              else _timeout_arg(timeout, call.name)),
+                                              else _timeout_arg(timeout, call.name, core.rank)),
                         call.name)
     if call.reduces and (type(r) in _MAY_FAIL or type(call.args[0]) in _MAY_FAIL):
         return _reduced(call, core, r)
@@ -389,8 +390,9 @@ async def _run_async(core: Core, call: Call, timeout: float | None) -> Any:
 
 # ------------------------------------------------------------------------ store hosting
 
-# The groups from_env formed through torchrun's agent store, per name, in this process: the
-# ranks form them in the same order, so the n-th of a name finds the n-th store address.
+# The groups formed through another store (from_env: torchrun's agent store), per key (a
+# name's), in this process: the ranks form them in the same order, so the n-th of a name
+# finds the n-th store address.
 # Counted once formed: a try again after a failure (rank 0's: on a new port) publishes its
 # address under the same number, where a rank coming late finds it.
 _agent_formed: dict[str, int] = {}
@@ -415,9 +417,8 @@ def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size
             "Group.from_env under torchrun: its agent's store holds MASTER_PORT, and reaching "
             "it needs torch; set CTRLCOMM_PORT to a free port") from None
     deadline = time.monotonic() + t
-    n = _agent_formed.get(name, 0)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    key = f"ctrlcomm/attempt_{restart}/{name}/{n}/store"
+    key = f"ctrlcomm/attempt_{restart}/{name}"
     try:  # (the agent's host: a name looked up within formation's deadline; torch has none)
         agent_address = _store_host(host, port, deadline - time.monotonic())
     except StoreTimeoutError as e:
@@ -430,39 +431,54 @@ def _through_agent_store(cls: type[Group], host: str, port: int, rank: int, size
         raise StoreError(f"Group.from_env under torchrun: cannot reach its agent's store at "
                          f"{host}:{port}: {type(e).__name__}: {e}") from None
     try:
-        if rank == 0:
-            auth_key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
-            srv = _acquire_server(local_address_for(agent_address, port), 0,
-                                  auth_key.encode() if isinstance(auth_key, str) else auth_key,
-                                  bool(kwargs.get("encrypt", False)))
-            _release_server(srv.host, srv.port)  # (create takes it up; closed if unused)
-            address = f"{srv.host} {srv.port}"
-            agent.set(key, address)
-        else:
-            found = _published(agent, key, _agent_tried.get((name, n)), deadline)
-            if found is None:
-                raise FormationTimeoutError(
-                    f"group {name!r} not formed within the timeout on rank {rank}: rank 0 did "
-                    f"not publish its store's address in torchrun's agent store at "
-                    f"{host}:{port} (is rank 0 alive?)", missing=[0])
-            address = found
-        store_host, _, p = address.rpartition(" ")
-        try:
-            g = cls.create(store_host, int(p), rank, size, **kwargs, _deadline=deadline)
-        except BaseException:
-            # a try again must not find this try's address: rank 0 takes it back; the
-            # others remember it, and wait for another
-            if rank == 0:
-                try:
-                    agent.delete_key(key)
-                except Exception:  # noqa: BLE001  (best effort: the agent may be gone)
-                    pass
-            else:
-                _agent_tried[(name, n)] = address
-            raise
+        return _through_store(cls, agent, key, agent_address, port, rank, size, kwargs,
+                              deadline, f"torchrun's agent store at {host}:{port}")
     finally:
         del agent
-    _agent_formed[name] = n + 1
+
+
+def _through_store(cls: type[Group], agent: Any, key: str, near: str, near_port: int,
+                   rank: int, size: int, kwargs: dict[str, Any], deadline: float,
+                   what: str) -> Group:
+    """Form the group through ``agent``, a store of torch's (or ctrlcomm's client: ``set``,
+    ``get``, ``set_timeout``, ``delete_key``) that every rank reaches: rank 0 hosts
+    ctrlcomm's store on a free port of the address it reaches ``near`` from and publishes
+    that address at ``key``; the others read it there; then all form the group as usual,
+    within ``deadline``. ``what`` names ``agent`` in errors."""
+    name = kwargs.get("name", "default")
+    base = key
+    n = _agent_formed.get(base, 0)
+    key = f"{base}/{n}/store"
+    if rank == 0:
+        auth_key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
+        srv = _acquire_server(local_address_for(near, near_port), 0,
+                              auth_key.encode() if isinstance(auth_key, str) else auth_key,
+                              bool(kwargs.get("encrypt", False)))
+        _release_server(srv.host, srv.port)  # (create takes it up; closed if unused)
+        address = f"{srv.host} {srv.port}"
+        agent.set(key, address)
+    else:
+        found = _published(agent, key, _agent_tried.get((key, n)), deadline)
+        if found is None:
+            raise FormationTimeoutError(
+                f"group {name!r} not formed within the timeout on rank {rank}: rank 0 did "
+                f"not publish its store's address in {what} (is rank 0 alive?)", missing=[0])
+        address = found
+    store_host, _, p = address.rpartition(" ")
+    try:
+        g = cls.create(store_host, int(p), rank, size, **kwargs, _deadline=deadline)
+    except BaseException:
+        # a try again must not find this try's address: rank 0 takes it back; the
+        # others remember it, and wait for another
+        if rank == 0:
+            try:
+                agent.delete_key(key)
+            except Exception:  # noqa: BLE001  (best effort: the agent may be gone)
+                pass
+        else:
+            _agent_tried[(key, n)] = address
+        raise
+    _agent_formed[base] = n + 1
     return g
 
 

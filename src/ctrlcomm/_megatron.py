@@ -70,7 +70,7 @@ class AsyncZMQCommunicator:
 
     async def _areduce(self, name: str, op: str, vals: tuple[Any, ...], async_op: bool,
                        timeout: float | None) -> int | tuple[int, ...]:
-        v = _values(name, vals)
+        v = _values(f"{name} on rank {self.rank}", vals)
         if self.world_size == 1:
             return _shape(v)
         if not async_op:  # as in Megatron: block this rank (and its loop) until done
@@ -79,7 +79,7 @@ class AsyncZMQCommunicator:
 
     def _reduce(self, name: str, op: str, vals: tuple[Any, ...],
                 timeout: float | None) -> int | tuple[int, ...]:
-        v = _values(name, vals)
+        v = _values(f"{name} on rank {self.rank}", vals)
         if self.world_size == 1:
             return _shape(v)
         return _shape(self.group.all_reduce(v, op=op, timeout=timeout))

@@ -9,11 +9,13 @@ wait has a deadline, and a dead peer is an error naming it.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import os
 import socket as _socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,14 +33,14 @@ _BCAST_TAG = (1 << 40) + 1
 _TAGS = (0, _TENSOR_TAG)  # the tag of each stream _send and _recv take (objects, tensors)
 
 
-def _torch_op(op: Any) -> str:
+def _torch_op(op: Any, where: str = "all_reduce") -> str:
     import torch.distributed as dist
 
     R = dist.ReduceOp
     for name, value in (("sum", R.SUM), ("prod", R.PRODUCT), ("max", R.MAX), ("min", R.MIN)):
         if op == value or (isinstance(op, str) and op.lower() in (name, str(value).lower())):
             return name
-    raise InvalidArgumentError(f"all_reduce: op {show(op)} is not supported; use ReduceOp.SUM, "
+    raise InvalidArgumentError(f"{where}: op {show(op)} is not supported; use ReduceOp.SUM, "
                                "PRODUCT, MAX or MIN")
 
 
@@ -120,24 +122,71 @@ class StatelessProcessGroup:
         data_expiration_seconds: kept for compatibility; no data is kept to expire.
     """
 
-    def __init__(self, group: Group, *, data_expiration_seconds: int = 3600,
-                 server: StoreServer | None = None,
-                 socket: _socket.socket | None = None) -> None:
-        self._group = group
+    def __init__(self, group: Group | int | None = None, world_size: int | None = None,
+                 store: Any = None,
+                 socket: _socket.socket | None = None, data_expiration_seconds: int = 3600,
+                 *, rank: int | None = None, server: StoreServer | None = None) -> None:
+        """Wrap a formed ctrlcomm ``group``; or, as vLLM's dataclass is made,
+        ``StatelessProcessGroup(rank, world_size, store)`` (keywords too): the group is
+        formed through ``store``, a store of torch's (``TCPStore``) or ctrlcomm's client
+        that every rank reaches (rank 0 serves ctrlcomm's rendezvous on a free port and
+        publishes its address there), within the store's timeout. With ``store=None`` (a
+        stand-in, as tests make one) the object holds ``rank`` and ``world_size`` and its
+        calls raise :class:`InvalidArgumentError`."""
+        if not isinstance(group, Group):
+            if rank is not None and group is not None:
+                raise InvalidArgumentError("StatelessProcessGroup: rank given twice")
+            if world_size is None or (rank is None and group is None):
+                raise InvalidArgumentError("StatelessProcessGroup needs a formed ctrlcomm "
+                                           "group, or rank and world_size (and a store)")
+            formed: Group = self._formed(group if rank is None else rank, world_size, store)
+        elif world_size is not None or store is not None or rank is not None:
+            raise InvalidArgumentError("StatelessProcessGroup(group): a formed group holds "
+                                       "its rank, world size and store")
+        else:
+            formed = group
+        self._group = formed
         # (calls from several threads take turns: see _one_at_a_time; reentrant, so that a
         # call made under another in this thread, from a signal handler, say, is refused by
         # the group, busy, rather than waiting for itself)
         self._lock = threading.RLock()
         self._holder = ""
-        self.rank = group.rank
-        self.world_size = group.world_size
-        self.store: StoreClient | None = group.store
+        self.rank = formed.rank
+        self.world_size = formed.world_size
+        self.store: StoreClient | None = formed.store
         self.data_expiration_seconds = data_expiration_seconds
         self.socket = socket
         self._server = server
         # (its group closes itself when collected unclosed; the store served from
         # listen_socket likewise, with the group: `pg.group` may outlive this wrapper)
-        self._finalizer = None if server is None else close_when_dropped(group, server.close)
+        self._finalizer = None if server is None else close_when_dropped(formed, server.close)
+
+    @staticmethod
+    def _formed(rank: Any, world_size: Any, store: Any) -> Any:
+        """The group of ``StatelessProcessGroup(rank, world_size, store)``: formed through
+        ``store``; a :class:`_Unformed` stand-in where it is None."""
+        from ._group import _through_store, _validate_world
+
+        rank, world_size = _validate_world(rank, world_size)
+        if store is None:
+            return _Unformed(rank, world_size)
+        for need in ("set", "get", "set_timeout", "delete_key"):
+            if not callable(getattr(store, need, None)):
+                raise InvalidArgumentError(
+                    f"StatelessProcessGroup: store must be a torch.distributed Store or a "
+                    f"ctrlcomm StoreClient, got a {type(store).__name__} (no {need}())")
+        t = _secs(getattr(store, "timeout", 300.0))
+        host = str(getattr(store, "host", "127.0.0.1"))
+        port = int(getattr(store, "port", 0))
+        g = _through_store(Group, store, "ctrlcomm/stateless", host, port, rank, world_size,
+                           {"name": "stateless", "timeout": t}, time.monotonic() + t,
+                           f"the store given ({type(store).__name__})")
+        if hasattr(store, "set_timeout"):  # (_published shortened it to what was left)
+            try:
+                store.set_timeout(datetime.timedelta(seconds=t))
+            except Exception:  # noqa: BLE001  (best effort)
+                pass
+        return g
 
     @staticmethod
     def create(host: str, port: int, rank: int, world_size: int,
@@ -289,7 +338,7 @@ class StatelessProcessGroup:
         on ``tensor``'s device; ``tensor`` is left as it is."""
         import torch.distributed as dist
 
-        name = _torch_op(dist.ReduceOp.SUM if op is None else op)
+        name = _torch_op(dist.ReduceOp.SUM if op is None else op, f"all_reduce on rank {self.rank}")
         payload = tensor.detach().cpu()
         if payload.data_ptr() == tensor.data_ptr():  # (a CPU tensor: the same memory)
             payload = payload.clone()
@@ -313,6 +362,24 @@ class StatelessProcessGroup:
 
     def __repr__(self) -> str:
         return f"<ctrlcomm.StatelessProcessGroup rank {self.rank}/{self.world_size}>"
+
+
+class _Unformed:
+    """The group of ``StatelessProcessGroup(rank, world_size, store=None)``: vLLM's dataclass
+    made without a store (a stand-in, as tests make one) holds its rank and world size, and
+    can send nothing; every call says so. Closing it does nothing."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size, self.store = rank, world_size, None
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        raise InvalidArgumentError(
+            f"this StatelessProcessGroup (rank {self.rank} of {self.world_size}) was made "
+            "without a store: it has no peers to talk to; make one with "
+            "StatelessProcessGroup.create(host, port, rank, world_size), or pass a store")
 
 
 __all__ = ["StatelessProcessGroup"]

@@ -111,6 +111,28 @@ def test_a_mistyped_algorithm_choice_is_refused_not_run_as_the_default():
             env={"CTRLCOMM_ALGO": "all_reduce=dubling"})
     assert p.returncode == 2
     assert "'dubling' is not an algorithm of all_reduce (flat, star, doubling)" in p.stderr
+    assert "refused" in p.stderr and "(ignored)" not in p.stderr  # (it said both)
+
+
+def test_a_mistyped_algorithm_choice_is_warned_of_once_as_a_group_first_plans_a_call():
+    """In a library call: a RuntimeWarning once, as the first collective is planned, and
+    the default runs; none at import (the bench, which refuses it, printed it too)."""
+    code = (
+        "import warnings, ctrlcomm\n"
+        "from ctrlcomm.testing import free_port\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import ctrlcomm._algo\n"
+        "    assert not seen, seen\n"
+        "    g = ctrlcomm.Group.create('127.0.0.1', free_port(), 0, 1, timeout=10)\n"
+        "    g.barrier(); g.all_reduce(1); g.barrier()\n"
+        "    g.close()\n"
+        "msgs = [str(w.message) for w in seen if w.category is RuntimeWarning]\n"
+        "assert len(msgs) == 1 and \"'dubling' is not an algorithm\" in msgs[0], msgs\n"
+        "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "CTRLCOMM_ALGO": "all_reduce=dubling"})
+    assert p.stdout.strip() == "ok", p.stderr
 
 
 def test_bench_rejects_unknown_ops_and_systems():
@@ -416,6 +438,9 @@ def test_a_system_whose_run_fails_is_left_out_and_the_rest_reported(monkeypatch)
     assert {(r["system"], r["op"]) for r in rows} == {("ctrlcomm", "barrier")}
     assert list(failed) == [("mpi", 2)] and "mpiexec" in failed[("mpi", 2)]
     assert "mpi at 2 ranks failed (left out)" in err.getvalue()
+    # the bar ends full: the failed run's steps and the turn it was left out of counted
+    # (it stopped at 2/4)
+    assert "bench: 4/4 done" in err.getvalue(), err.getvalue()
 
 
 def test_a_failed_run_is_told_in_a_line_per_rank_without_tracebacks():
@@ -436,6 +461,7 @@ def test_a_failed_run_is_told_in_a_line_per_rank_without_tracebacks():
     assert any("unknown transport 'bogus'" in s for s in said), said
     assert all("bogus" in s or "failed first" in s for s in said), said
     assert failed[("ctrlcomm", 2)] == "\n".join(said)
+    assert "bench: 1/1 done (last: ctrlcomm N=2 failed)" in text, text
 
 
 def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, capsys,
@@ -700,7 +726,7 @@ def _alive(pid):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGKILL"])
 def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
     """SIGTERM: the bench stops its ranks (by pid) and exits with 143 (128 + SIGTERM, as a
     shell reports it; it said 130, Ctrl-C's, and "interrupted"); SIGKILL, where no
@@ -725,6 +751,8 @@ def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
         _, err = p.communicate(timeout=30)
         if sig == "SIGTERM":
             assert p.returncode == 143 and "terminated" in err, (p.returncode, err)
+        if sig == "SIGHUP":  # (its terminal or ssh session closed: it died of it before)
+            assert p.returncode == 129 and "hung up" in err, (p.returncode, err)
         t = time.monotonic()
         while any(_alive(r) for r in ranks) and time.monotonic() - t < 10:
             time.sleep(0.1)
@@ -829,6 +857,91 @@ def test_an_interrupted_mpi_run_leaves_nothing_running():
     while [p for p in seen if _alive(p)] and time.monotonic() - t < 10:
         time.sleep(0.1)
     assert not [p for p in seen if _alive(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_mpi_run_ends_with_a_bench_killed_outright():
+    """SIGKILL to the bench while mpiexec runs (no cleanup of its own can run): mpiexec gets
+    SIGTERM as the bench ends (its parent-death signal) and ends the ranks it started. (They
+    ran on to the end, reparented to init.)"""
+    import signal
+    import time
+
+    from ctrlcomm import _baselines
+
+    if _baselines.missing("mpi"):
+        pytest.skip(_baselines.missing("mpi"))
+    # (ctrlcomm's run comes first and must end: a 1 MiB broadcast, which takes MPICH
+    # several times as long here, so that its ranks still run when the bench is killed)
+    p = subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", "-n", "2", "--ops",
+                          "broadcast", "--sizes", "1M", "--iters", "10000", "--warmup", "0",
+                          "--against", "mpi"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    seen = set()
+    try:
+        t = time.monotonic()
+        while time.monotonic() - t < 120:  # (ctrlcomm's run first, then mpiexec's ranks)
+            seen.update(_descendants(p.pid))
+            names = []
+            for pid in seen:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        names.append(f.read())
+                except OSError:
+                    pass
+            if sum(b"_bench_mpi" in n and b"mpiexec" not in n for n in names) >= 2:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("mpiexec's ranks did not start")
+        mpi = _descendants(p.pid)  # (ctrlcomm's own run has ended by now)
+        assert len(mpi) >= 4, mpi  # mpiexec, its proxy, the two ranks
+        p.kill()
+        p.wait()
+        t = time.monotonic()
+        while [q for q in mpi if _alive(q)] and time.monotonic() - t < 5:
+            time.sleep(0.1)
+        assert not [q for q in mpi if _alive(q)]
+    finally:
+        for pid in [p.pid, *seen]:  # (only what this test started)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_the_files_are_written_whatever_becomes_of_standard_output(tmp_path):
+    """A closed pipe (`| head -1`) or a full disk on standard output: the JSON and the plot
+    are written all the same, and a line says the table could not be printed, not a
+    traceback. (They were written after the table: a BrokenPipeError lost both.)"""
+    pytest.importorskip("matplotlib")
+    args = [sys.executable, "-m", "ctrlcomm", "bench", "-n", "2", "--ops", "barrier",
+            "--iters", "3", "--warmup", "1"]
+    for how in ("closed pipe", "full disk"):
+        out, plot = tmp_path / f"{how}.json", tmp_path / f"{how}.png"
+        cmd = [*args, "--json", str(out), "--plot", str(plot)]
+        if how == "closed pipe":
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            p.stdout.close()  # (as `head` does once it has its line)
+            err = p.stderr.read().decode()
+            p.wait(timeout=120)
+        else:
+            if not os.path.exists("/dev/full"):
+                continue
+            with open("/dev/full", "w") as full:
+                q = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, timeout=120)
+            p, err = q, q.stderr.decode()
+        assert out.exists() and plot.exists(), (how, err)
+        assert json.loads(out.read_text())["results"], how
+        assert "Traceback" not in err and "could not print the table" in err, (how, err)
+        assert p.returncode == 0, (how, p.returncode, err)
+
+
+def test_an_empty_file_name_is_refused_before_anything_runs():
+    """(`--json "$OUT"` with OUT unset: the run went ahead and wrote nothing, silently)"""
+    for opt in ("--json", "--plot"):
+        p = run("-n", "2", "--ops", "barrier", "--iters", "3", opt, "", timeout=60)
+        assert p.returncode == 2 and f"{opt}: the file name is empty" in p.stderr, p.stderr
 
 
 def test_bench_multihost_rank_other_than_0_neither_checks_nor_writes_json_or_plot(tmp_path):

@@ -189,7 +189,9 @@ def late_rank_is_not_a_mismatch(g):
     that it returned from barrier #0)."""
     if g.rank == 1:
         g.barrier(timeout=5)
-        with pytest.raises(ctrlcomm.CollectiveTimeoutError):
+        # (its own timeout, or, first, rank 0's word that its all_reduce timed out waiting
+        # for this rank: nothing can come from rank 0 then)
+        with pytest.raises((ctrlcomm.CollectiveTimeoutError, ctrlcomm.PeerLostError)):
             g.recv(src=0, timeout=1.5)
         return None
     g.barrier(timeout=5)
@@ -655,6 +657,76 @@ def test_a_cancelled_collective_tells_the_ranks_waiting_in_it():
     # (told, not at their 60 s deadline: the run's 45 s would have ended first)
     for ranks, text, _ in res[1:]:
         assert ranks == [0] and "cancelled on rank 0" in text, text
+
+
+def times_out_while_another_is_late(g, api):
+    """Rank 0's barrier times out (1 s) while rank 1 is busy; rank 1 comes 3 s later, with
+    15 s deadlines: told at once that rank 0's group broke, in that barrier (its part came
+    first) or the next. (It waited its whole 15 s there, then said rank 0 was "not in a
+    ctrlcomm call, or stuck"; a vLLM or Megatron deadline is 300 s.)"""
+    if api == "vllm":
+        from ctrlcomm import StatelessProcessGroup
+
+        pg = StatelessProcessGroup(g)
+        barrier = pg.barrier
+    else:
+        barrier = g.barrier
+    barrier(timeout=15)
+    if g.rank == 0:
+        with pytest.raises(ctrlcomm.CollectiveTimeoutError):
+            barrier(timeout=1)
+        out = None
+    else:
+        time.sleep(3)
+        t = time.monotonic()
+        try:
+            barrier(timeout=15)
+            barrier(timeout=15)
+            out = "no error"
+        except ctrlcomm.PeerLostError as e:
+            out = e.ranks, str(e), time.monotonic() - t
+    g.store.set(f"test/done/{g.rank}", "1")  # (rank 0 stays until rank 1 has its answer)
+    g.store.wait(["test/done/0", "test/done/1"], timeout=50)
+    return out
+
+
+@pytest.mark.parametrize("api", ["group", "vllm"])
+def test_a_timed_out_collective_tells_the_others_its_group_broke(api):
+    ranks, text, took = run_group(times_out_while_another_is_late, 2, api, timeout=45)[1]
+    assert ranks == [0] and took < 5, (ranks, text, took)
+    assert "aborted the group" in text and "timed out after 1 s on rank 0" in text, text
+
+
+def lost_while_in_another_call(rank, size, port):
+    """Rank 2 exits; rank 0, in a barrier, finds it gone and tells the others; rank 1, in a
+    broadcast from rank 2, learns it from rank 0's word."""
+    import os
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size, store_timeout=30)
+    pg.barrier()
+    if rank == 2:
+        time.sleep(1.0)
+        os._exit(3)
+    try:
+        if rank == 0:
+            pg.barrier()
+        else:
+            pg.broadcast_obj(None, src=2)
+    except ctrlcomm.PeerLostError as e:
+        return e.ranks, str(e)
+    return None
+
+
+def test_a_lost_peer_reported_by_another_rank_is_raised_naming_this_ranks_own_call():
+    """(rank 1 raised rank 0's report as it was: "group 's': rank(s) [2] lost (reported by
+    rank 0): barrier #1 ... cannot complete on rank 0: ...", naming rank 0's call only)"""
+    res = run_ranks(lost_while_in_another_call, 3, free_port(), timeout=60, may_die=(2,))
+    assert res[0][0] == [2] and res[0][1].startswith("barrier #1 on group"), res[0]
+    assert res[1][0] == [2], res[1]
+    assert res[1][1].startswith("broadcast_obj(src=2) on group 'stateless' cannot complete "
+                                "on rank 1: "), res[1]
 
 
 def interrupted_while_others_wait(g):
@@ -1509,8 +1581,8 @@ def _raises(g):
 
 
 def waits_for_a_rank_that_breaks(g):
-    """Rank 1's broadcast times out (rank 0 is in a recv, not in it): its group is broken,
-    which nobody is told; then it closes. Rank 0, waiting for it, learns why."""
+    """Rank 1's broadcast times out (rank 0 is in a recv, not in it): its group is broken;
+    then it closes. Rank 0, waiting for it, learns why."""
     if g.rank == 0:
         try:
             g.recv(1, timeout=30)
@@ -1528,8 +1600,11 @@ def test_a_peer_that_closes_a_broken_group_says_why():
     res = run_group(waits_for_a_rank_that_breaks, 2)
     assert res[1][0] == "CollectiveTimeoutError", res
     kind, text = res[0]
-    assert kind == "PeerLostError" and "rank 1 closed the group (broken there: " in text, res
-    assert "CollectiveTimeoutError: broadcast #0" in text and "timed out after 0.5 s" in text
+    # told as rank 1's broadcast timed out, waiting for rank 0 (which was not in it); else,
+    # had that word not come, at rank 1's close, with why its group was broken
+    assert kind == "PeerLostError" and ("rank 1 aborted the group: " in text or
+                                        "rank 1 closed the group (broken there: " in text), res
+    assert "broadcast #0" in text and "timed out after 0.5 s" in text, text
 
 
 def scatter_and_all_to_all_of_arrays(g):

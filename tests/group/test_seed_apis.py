@@ -821,7 +821,7 @@ def test_async_zmq_communicator_world_of_one():
     assert res[:3] == ((3, 2**50), 9, (4, 5, 6, 1)) and len(res) == 7, res
     assert all(type(v) is int for v in res[2])
     for msg in res[3:]:
-        assert "sync_all_reduce_max: values must be ints" in msg, msg
+        assert "sync_all_reduce_max on rank 0: values must be ints" in msg, msg
 
 
 # -------------------------------------------------------------------------- torch interop
@@ -952,3 +952,103 @@ def test_ctrlcomm_torch_without_torch_says_what_to_install():
             "try:\n import ctrlcomm.torch\nexcept ImportError as e: print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
     assert "pip install 'ctrlcomm[torch]'" in out
+
+
+def bad_arguments_name_the_rank(rank, size, port, pg_port):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from ctrlcomm import AsyncZMQCommunicator, InvalidArgumentError, StatelessProcessGroup
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    comm = AsyncZMQCommunicator(None, None)
+    pg = StatelessProcessGroup.create("127.0.0.1", pg_port, rank, size)
+    said = []
+    for call in (lambda: comm.sync_all_reduce_max(), lambda: comm.sync_all_reduce_max(1.5),
+                 lambda: pg.all_reduce(torch.ones(2), op=dist.ReduceOp.AVG),
+                 lambda: pg.barrier(timeout=0), lambda: pg._group.all_gather(1, timeout=-1),
+                 lambda: pg._group.send(1, dst=1 - rank, timeout=0)):
+        try:
+            call()
+            said.append(None)
+        except InvalidArgumentError as e:
+            said.append(str(e))
+    # and the groups still work
+    works = (comm.sync_all_reduce_max(rank), [t.item() for t in [pg.all_reduce(torch.ones(1))]])
+    pg.barrier()
+    comm.close()
+    pg._group.close()
+    dist.destroy_process_group()
+    return said, works
+
+
+@pytest.mark.torch
+def test_bad_arguments_to_the_seed_apis_name_the_call_and_the_rank():
+    """(the Megatron values, a vLLM reduce op and every call's timeout said what was wrong
+    but not on which rank)"""
+    pytest.importorskip("torch")
+    res = run_ranks(bad_arguments_name_the_rank, 2, free_port(), free_port(), timeout=120)
+    for rank, (said, works) in enumerate(res):
+        assert works == (1, [2.0]), works
+        assert None not in said, said
+        for text, op in zip(said, ["sync_all_reduce_max", "sync_all_reduce_max", "all_reduce",
+                                   "barrier", "all_gather", "send"], strict=True):
+            assert text.startswith(f"{op} on rank {rank}"), (text, op)
+
+
+def test_vllms_dataclass_made_without_a_store_is_a_stand_in_that_says_so():
+    """vLLM's group is a dataclass: `StatelessProcessGroup(rank=3, world_size=4,
+    store=None)` is how tests make a stand-in (it said: unexpected keyword argument)."""
+    from ctrlcomm import InvalidArgumentError, StatelessProcessGroup
+
+    for pg in (StatelessProcessGroup(rank=3, world_size=4, store=None),
+               StatelessProcessGroup(3, 4)):
+        assert (pg.rank, pg.world_size, pg.store) == (3, 4, None)
+        assert pg.data_expiration_seconds == 3600
+        with pytest.raises(InvalidArgumentError, match="made without a store"):
+            pg.send_obj({"a": 1}, dst=0)
+        with pytest.raises(InvalidArgumentError, match="made without a store"):
+            pg.barrier()
+        pg.close()
+    with pytest.raises(InvalidArgumentError, match="world_size"):
+        StatelessProcessGroup(rank=0, world_size=0)
+    with pytest.raises(InvalidArgumentError, match="rank"):
+        StatelessProcessGroup(rank=4, world_size=4)
+    with pytest.raises(InvalidArgumentError, match="Store"):
+        StatelessProcessGroup(rank=0, world_size=2, store="127.0.0.1:29500")
+
+
+def vllm_dataclass_through_a_tcpstore(rank, size, port):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ctrlcomm import StatelessProcessGroup
+
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timedelta(seconds=30))
+    out = []
+    for i in range(2):  # (a second group through the same store: its own rendezvous)
+        pg = StatelessProcessGroup(rank=rank, world_size=size, store=store)
+        got = pg.broadcast_obj({"cfg": i} if rank == 1 else None, src=1)
+        pg.send_obj((rank, i), dst=(rank + 1) % size)
+        out.append((pg.rank, pg.world_size, got, pg.all_gather_obj(rank * 10 + i),
+                    pg.recv_obj(src=(rank - 1) % size)))
+        pg.barrier()
+        pg.close()
+    if rank:  # (rank 0 keeps the TCPStore up until the others are done with it)
+        store.set(f"done/{rank}", "1")
+    else:
+        store.wait([f"done/{r}" for r in range(1, size)])
+    return out
+
+
+@pytest.mark.torch
+def test_vllms_dataclass_made_with_a_tcpstore_forms_the_group_through_it():
+    pytest.importorskip("torch")
+    res = run_ranks(vllm_dataclass_through_a_tcpstore, 3, free_port(), timeout=120)
+    for r, out in enumerate(res):
+        for i, got in enumerate(out):
+            assert got == (r, 3, {"cfg": i}, [i, 10 + i, 20 + i], ((r - 1) % 3, i)), got
