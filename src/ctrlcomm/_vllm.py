@@ -23,7 +23,7 @@ from . import _plans
 from ._core import run_sync
 from ._errors import ConcurrentUseError, InvalidArgumentError, show
 from ._group import Group, _rank_arg, close_when_dropped
-from ._store import StoreClient, _secs
+from ._store import _secs
 from ._transport import StoreServer
 
 _TENSOR_TAG = 1 << 40  # point-to-point tensors travel apart from send_obj/recv_obj objects
@@ -130,7 +130,8 @@ class StatelessProcessGroup:
         ``StatelessProcessGroup(rank, world_size, store)`` (keywords too): the group is
         formed through ``store``, a store of torch's (``TCPStore``) or ctrlcomm's client
         that every rank reaches (rank 0 serves ctrlcomm's rendezvous on a free port and
-        publishes its address there), within the store's timeout. With ``store=None`` (a
+        publishes its address there), within the store's timeout; ``store`` stays the
+        attribute of that name, as on vLLM's dataclass. With ``store=None`` (a
         stand-in, as tests make one) the object holds ``rank`` and ``world_size`` and its
         calls raise :class:`InvalidArgumentError`."""
         if not isinstance(group, Group):
@@ -153,7 +154,8 @@ class StatelessProcessGroup:
         self._holder = ""
         self.rank = formed.rank
         self.world_size = formed.world_size
-        self.store: StoreClient | None = formed.store
+        # (made through a store of the caller's: that store, as on vLLM's dataclass)
+        self.store: Any = formed.store if store is None else store
         self.data_expiration_seconds = data_expiration_seconds
         self.socket = socket
         self._server = server

@@ -924,6 +924,7 @@ def test_the_files_are_written_whatever_becomes_of_standard_output(tmp_path):
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             p.stdout.close()  # (as `head` does once it has its line)
             err = p.stderr.read().decode()
+            p.stderr.close()
             p.wait(timeout=120)
         else:
             if not os.path.exists("/dev/full"):

@@ -1032,6 +1032,7 @@ def vllm_dataclass_through_a_tcpstore(rank, size, port):
     out = []
     for i in range(2):  # (a second group through the same store: its own rendezvous)
         pg = StatelessProcessGroup(rank=rank, world_size=size, store=store)
+        assert pg.store is store  # (as on vLLM's dataclass)
         got = pg.broadcast_obj({"cfg": i} if rank == 1 else None, src=1)
         pg.send_obj((rank, i), dst=(rank + 1) % size)
         out.append((pg.rank, pg.world_size, got, pg.all_gather_obj(rank * 10 + i),
