@@ -224,8 +224,9 @@ class Core:
         # what a peer's answer said of the collective it is in or returned from last:
         # (seq, opcode, root)
         self.status_call: dict[int, tuple[int, int, int]] = {}
-        # the peers whose last answer said they are in a collective (not returned from it)
-        self.status_in_call: set[int] = set()
+        # the peers whose last answer said they are in a collective (not returned from it):
+        # its seq
+        self.status_in_call: dict[int, int] = {}
         self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
         self.suspects: dict[int, tuple[float, str]] = {}  # peer -> (grace ends, why)
         self.dropped: Counter[str] = Counter()
@@ -401,9 +402,9 @@ class Core:
         elif k == w.STATUS_REP:
             self.status[m.src] = (self.seq, bytes(m.payload).decode(errors="replace"))
             if m.round == w.STATUS_IN_CALL:
-                self.status_in_call.add(m.src)
+                self.status_in_call[m.src] = seq
             else:
-                self.status_in_call.discard(m.src)
+                self.status_in_call.pop(m.src, None)
             if m.round in (w.STATUS_IN_CALL, w.STATUS_RETURNED):
                 self.status_call[m.src] = (seq, op, root)
                 a = self.active
@@ -752,8 +753,7 @@ class Core:
                 # ctrlcomm call". (Not the others: those in this call wait for the same
                 # ranks, or for one that does, and time out saying so, not that this rank
                 # gave up a moment before them.)
-                late = [r for r in e.waiting_for if not (
-                    r in self.status_in_call and self.status_call.get(r, (-1,))[0] == seq)]
+                late = [r for r in e.waiting_for if self.status_in_call.get(r) != seq]
                 self._tell_peers(w.ABORT, str(e)[:BYE_TEXT], seq, w.ABORT_AT_CALL, to=late)
             elif isinstance(e, CodecError) and self.state == "open":
                 # an object from a peer that cannot be decoded here: this rank's group
@@ -1105,7 +1105,7 @@ class Core:
             for s in missing:
                 self.status.pop(s, None)
                 self.status_call.pop(s, None)
-                self.status_in_call.discard(s)
+                self.status_in_call.pop(s, None)
                 self._send_raw(s, w.STATUS_REQ, b"")
             return min(deadline, suspect_at) - now
         if seq is not None:  # a collective: ask early, then less and less often
