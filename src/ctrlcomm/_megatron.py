@@ -18,9 +18,9 @@ from typing import Any
 from ._errors import InvalidArgumentError, show
 
 
-def _values(name: str, vals: tuple[Any, ...]) -> tuple[int, ...]:
+def _values(name: str, rank: int, vals: tuple[Any, ...]) -> tuple[int, ...]:
     if not vals:
-        raise InvalidArgumentError(f"{name} needs at least one value")
+        raise InvalidArgumentError(f"{name} on rank {rank} needs at least one value")
     out = []
     for v in vals:
         # what the original's struct.pack("!i") takes: anything with __index__ (numpy ints,
@@ -28,9 +28,9 @@ def _values(name: str, vals: tuple[Any, ...]) -> tuple[int, ...]:
         try:
             out.append(operator.index(v))
         except TypeError:
-            raise InvalidArgumentError(f"{name}: values must be ints (or have __index__: a "
-                                       f"numpy int, a one-element integer tensor), got "
-                                       f"{show(v)} ({type(v).__name__})") from None
+            raise InvalidArgumentError(f"{name} on rank {rank}: values must be ints (or have "
+                                       "__index__: a numpy int, a one-element integer "
+                                       f"tensor), got {show(v)} ({type(v).__name__})") from None
     return tuple(out)
 
 
@@ -70,7 +70,7 @@ class AsyncZMQCommunicator:
 
     async def _areduce(self, name: str, op: str, vals: tuple[Any, ...], async_op: bool,
                        timeout: float | None) -> int | tuple[int, ...]:
-        v = _values(f"{name} on rank {self.rank}", vals)
+        v = _values(name, self.rank, vals)
         if self.world_size == 1:
             return _shape(v)
         if not async_op:  # as in Megatron: block this rank (and its loop) until done
@@ -79,7 +79,7 @@ class AsyncZMQCommunicator:
 
     def _reduce(self, name: str, op: str, vals: tuple[Any, ...],
                 timeout: float | None) -> int | tuple[int, ...]:
-        v = _values(f"{name} on rank {self.rank}", vals)
+        v = _values(name, self.rank, vals)
         if self.world_size == 1:
             return _shape(v)
         return _shape(self.group.all_reduce(v, op=op, timeout=timeout))

@@ -33,15 +33,15 @@ _BCAST_TAG = (1 << 40) + 1
 _TAGS = (0, _TENSOR_TAG)  # the tag of each stream _send and _recv take (objects, tensors)
 
 
-def _torch_op(op: Any, where: str = "all_reduce") -> str:
+def _torch_op(op: Any, rank: int) -> str:
     import torch.distributed as dist
 
     R = dist.ReduceOp
     for name, value in (("sum", R.SUM), ("prod", R.PRODUCT), ("max", R.MAX), ("min", R.MIN)):
         if op == value or (isinstance(op, str) and op.lower() in (name, str(value).lower())):
             return name
-    raise InvalidArgumentError(f"{where}: op {show(op)} is not supported; use ReduceOp.SUM, "
-                               "PRODUCT, MAX or MIN")
+    raise InvalidArgumentError(f"all_reduce on rank {rank}: op {show(op)} is not supported; "
+                               "use ReduceOp.SUM, PRODUCT, MAX or MIN")
 
 
 def _copy_into(tensor: Any, data: Any) -> None:
@@ -340,7 +340,7 @@ class StatelessProcessGroup:
         on ``tensor``'s device; ``tensor`` is left as it is."""
         import torch.distributed as dist
 
-        name = _torch_op(dist.ReduceOp.SUM if op is None else op, f"all_reduce on rank {self.rank}")
+        name = _torch_op(dist.ReduceOp.SUM if op is None else op, self.rank)
         payload = tensor.detach().cpu()
         if payload.data_ptr() == tensor.data_ptr():  # (a CPU tensor: the same memory)
             payload = payload.clone()
