@@ -725,6 +725,16 @@ def _alive(pid):
         return False
 
 
+def _still_alive_after(pids, seconds):
+    """Those of ``pids`` still alive once all have ended or ``seconds`` have passed."""
+    import time
+
+    t = time.monotonic()
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() - t < seconds:
+        time.sleep(0.1)
+    return left
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGKILL"])
 def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
@@ -753,10 +763,7 @@ def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
             assert p.returncode == 143 and "terminated" in err, (p.returncode, err)
         if sig == "SIGHUP":  # (its terminal or ssh session closed: it died of it before)
             assert p.returncode == 129 and "hung up" in err, (p.returncode, err)
-        t = time.monotonic()
-        while any(_alive(r) for r in ranks) and time.monotonic() - t < 10:
-            time.sleep(0.1)
-        assert not [r for r in ranks if _alive(r)]
+        assert not _still_alive_after(ranks, 10)
     finally:
         for pid in [p.pid, *ranks]:  # (only what this test started)
             if _alive(pid):
@@ -853,10 +860,7 @@ def test_an_interrupted_mpi_run_leaves_nothing_running():
         stop.set()
         th.join()
     assert len(seen) >= 3, seen  # mpiexec, its proxy, the ranks
-    t = time.monotonic()
-    while [p for p in seen if _alive(p)] and time.monotonic() - t < 10:
-        time.sleep(0.1)
-    assert not [p for p in seen if _alive(p)]
+    assert not _still_alive_after(seen, 10)
 
 
 @pytest.mark.slow
@@ -899,10 +903,7 @@ def test_an_mpi_run_ends_with_a_bench_killed_outright():
         assert len(mpi) >= 4, mpi  # mpiexec, its proxy, the two ranks
         p.kill()
         p.wait()
-        t = time.monotonic()
-        while [q for q in mpi if _alive(q)] and time.monotonic() - t < 5:
-            time.sleep(0.1)
-        assert not [q for q in mpi if _alive(q)]
+        assert not _still_alive_after(mpi, 5)
     finally:
         for pid in [p.pid, *seen]:  # (only what this test started)
             if _alive(pid):
