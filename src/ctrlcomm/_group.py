@@ -1292,6 +1292,7 @@ def _not_joined(missing: list[int], gave_up: list[int]) -> str:
 ALIKE = ("ws:", "codec:", "tr:", "wire:")  # the fields of an address every rank must have alike
 _ALIKE_WORDS = {"ws": "world size", "codec": "codec", "tr": "transport", "wire": "wire version"}
 ASK_S = 0.5  # how long a formation that timed out asks the store why
+DIFFER_CHECK_S = 1.0  # how often rank 0, waiting for ranks, compares the settings of those in
 # Where, in a group's namespace of the store, formation keeps its keys (deleted once the group
 # is formed): apart from the keys the ranks set through the group's store client (Group.store)
 FORMATION = "ctrlcomm:formation/"
@@ -1408,6 +1409,41 @@ def _withdraw(store: StoreClient, rank: int, table: bool, token: str) -> None:
         pass  # (the store is gone, or does not answer: nothing to clean, or no way to)
 
 
+def _wait_for_ranks(store: StoreClient, keys: list[str], name: str, address: str,
+                    deadline: float, done: dict[str, str]) -> None:
+    """Rank 0: wait until every rank's key is set (raises the last StoreTimeoutError at the
+    deadline). Every :data:`DIFFER_CHECK_S` s meanwhile it compares the settings of the ranks
+    that joined with its own: where one differs (a rank created with another world size,
+    say), that rank has failed already, and no try of it can join this formation (its key
+    stays, see :func:`_withdraw`), so rank 0 publishes what differs for the ranks waiting
+    with it, as where all had joined, and raises FormationError at once. (It waited out its
+    whole deadline, for a rank that a smaller world size never starts.)"""
+    while True:
+        left = deadline - time.monotonic()
+        last = left <= DIFFER_CHECK_S
+        try:
+            store.wait(keys, timeout=max(left, 0.001) if last else DIFFER_CHECK_S)
+            return
+        except StoreTimeoutError as e:
+            if last or not e.answered:
+                raise
+        try:
+            have = store.exists(keys[1:], timeout=ASK_S)
+            joined = [k for k, h in zip(keys[1:], have, strict=True) if h]
+            got = store.multi_get(joined, wait=False, timeout=ASK_S) if joined else []
+        except (StoreError, KeyError):  # (KeyError: a rank withdrew meanwhile; next time)
+            continue
+        differ = _differ(name, address, {int(k.rsplit("/", 1)[1]): v.decode(errors="replace")
+                                         for k, v in zip(joined, got, strict=True)})
+        if differ:
+            done["differ"] = ""
+            try:
+                store.set(f"{FORMATION}table", "!" + differ, timeout=ASK_S)
+            except StoreError:
+                pass  # (the others then say it at their deadlines)
+            raise FormationError(differ)
+
+
 def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
           deadline: float, done: dict[str, str], rank0_hosts: bool = True
           ) -> tuple[str, dict[int, str]]:
@@ -1419,7 +1455,7 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
     keys = [f"{FORMATION}rank/{r}" for r in range(size)]
     if rank == 0:
         try:
-            store.wait(keys, timeout=left())
+            _wait_for_ranks(store, keys, name, address, deadline, done)
         except StoreTimeoutError as e:
             missing: list[int] = []
             gave_up: list[int] = []

@@ -308,6 +308,21 @@ def test_bench_multihost_mode_one_process_per_rank(tmp_path):
             "300 s)" in err.splitlines()[0], err
 
 
+def test_bench_multihost_ranks_given_different_world_sizes_both_fail_soon():
+    """Rank 0 given --world-size 3 and rank 1 given 2: rank 1 failed at once naming both
+    sizes, but rank 0 waited out its whole 300 s deadline for a rank 2 that never comes."""
+    from ctrlcomm.testing import free_port
+
+    common = ["--host", "127.0.0.1", "--port", str(free_port()), "--ops", "barrier",
+              "--iters", "5", "--warmup", "1"]
+    procs, outs = multihost({0: [*common, "--rank", "0", "--world-size", "3"],
+                             1: [*common, "--rank", "1", "--world-size", "2"]}, timeout=60)
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 1, err
+        assert "FormationError" in err and "rank 0 with world size 3" in err \
+            and "rank 1 with world size 2" in err, err
+
+
 def test_bench_repeat_pools_the_samples_of_alternating_runs(tmp_path):
     out = tmp_path / "r.json"
     p = run("-n", "2", "--ops", "barrier,all_reduce", "--iters", "15", "--warmup", "2",

@@ -1346,6 +1346,28 @@ def test_ranks_created_with_different_settings_are_told_what_differs(settings, n
         assert took < timeout + 2.0, took  # (its deadline: it overran by 3 s)
 
 
+@pytest.mark.parametrize(("settings", "named"), [
+    ([(3, "pickle", "tcp"), (2, "pickle", "tcp")], "rank 1 with world size 2"),
+    ([(4, "pickle", "tcp"), (4, "pickle", "tcp"), (3, "pickle", "tcp")],
+     "rank 2 with world size 3"),
+    ([(3, "pickle", "tcp"), (3, "msgpack", "tcp")], "rank 1 with codec msgpack"),
+], ids=["rank0_larger", "rank0_and_rank1_larger", "codec_rank_missing"])
+def test_rank_0_waiting_for_ranks_that_never_come_fails_once_a_joined_rank_differs(
+        settings, named):
+    """Rank 0 created with a larger world size than another rank (a multi-host bench with a
+    mistyped --world-size) waited out its whole formation deadline for a rank that never
+    comes, though the rank created otherwise had failed at once. Now it compares the settings
+    of the ranks in as it waits, fails within seconds, and tells the ranks that wait with it
+    (rank 1 of the second case, created as rank 0 was)."""
+    timeout = 40.0
+    res = run_ranks(created_otherwise, len(settings), free_port(), settings, timeout,
+                    timeout=90)
+    for kind, text, took in res:
+        assert kind == "FormationError", res
+        assert named in text and "rank 0 with world size" in text, text
+        assert took < 15.0, res  # (all took 40 s for rank 0's deadline before)
+
+
 def rank0_joins_late(rank, size, port, delay, timeout):
     if rank == 0:
         time.sleep(delay)
