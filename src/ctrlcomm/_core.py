@@ -424,6 +424,12 @@ class Core:
             if reason.startswith(MISMATCH_PREFIX):
                 # another rank found the ranks out of step: so are the calls of this one
                 desc = reason[len(MISMATCH_PREFIX):]
+                if rnd == w.ABORT_BY_PROBE and m.op and (
+                        (st := self.status.get(m.src)) is None or st[0] != self.seq):
+                    # the call the teller is in (as its answer would have said: see
+                    # _notify_mismatch), where this rank has no answer of its own
+                    self.status[m.src] = (self.seq, f"in {describe(m.op, m.root)} #{seq} "
+                                          "(it found the mismatch, and told this rank)")
                 e: MismatchError = self._told_mismatch(seq, desc, m.src) \
                     if rnd == w.ABORT_BY_PROBE \
                     else MismatchError(f"{desc} (reported by rank {m.src})")
@@ -1426,13 +1432,14 @@ class Core:
                 self.ep.close(gone=set(self.gone))  # (nothing to linger for: see there)
 
     def _tell_peers(self, kind: int, text: str, seq: int = 0, rnd: int = 0,
-                    to: Sequence[int] | None = None) -> None:
+                    to: Sequence[int] | None = None, op: int = 0,
+                    root: int = w.NO_ROOT) -> None:
         """A control message to every peer (or those of ``to``) not known gone (best
         effort)."""
         payload = text.encode()
         for p in range(self.size) if to is None else to:
             if p != self.rank and p not in self.gone:
-                self._send_raw(p, kind, payload, seq, rnd)
+                self._send_raw(p, kind, payload, seq, rnd, op, root)
         if kind == w.ABORT:
             # the word goes out now, to peers this rank has not sent to yet as well (queued on a
             # connection still being made, it would wait for this rank's next call, or exit)
@@ -1447,8 +1454,12 @@ class Core:
         if isinstance(e, MismatchTimeoutError) and e.seq is not None:
             # the description only, and in the header which call and how it was found (a
             # peer of an earlier version reads a plain mismatch)
+            # (and, where it is in that call still, which call this rank made: a rank told
+            # before it asked says what this one was doing, as if it had asked)
+            a = self.active
+            op, root = (a[2], a[3]) if a is not None and a[1] == e.seq else (0, w.NO_ROOT)
             self._tell_peers(w.ABORT, f"{MISMATCH_PREFIX}{e.mismatch}", e.seq,
-                             w.ABORT_BY_PROBE)
+                             w.ABORT_BY_PROBE, op=op, root=root)
         else:
             self._tell_peers(w.ABORT, f"{MISMATCH_PREFIX}{e}")
 

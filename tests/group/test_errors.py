@@ -70,6 +70,34 @@ def test_timeout_reports_what_each_peer_is_doing():
         assert took < 3.5
 
 
+def both_receive_rank0_asks_late(g):
+    """As both_receive, but rank 0 asks nobody early: rank 1 asks at 1 s, finds the
+    mismatch and tells rank 0 before rank 0 has asked anything."""
+    if g.rank == 0:
+        monkeypatch_first_probe(60.0)
+    t = time.monotonic()
+    try:
+        g.broadcast(None, src=1 - g.rank, timeout=30.0)
+    except ctrlcomm.CollectiveTimeoutError as e:
+        took = time.monotonic() - t
+        time.sleep(1.0)
+        return str(e), e.peer_states, took
+    return None
+
+
+def test_a_rank_told_of_a_mismatch_before_it_asked_says_what_the_teller_was_doing():
+    # (before: "rank 1: not asked (told before this rank asked)", where it raced the other
+    # rank's question: test_timeout_reports_what_each_peer_is_doing failed so once in CI)
+    res = run_group(both_receive_rank0_asks_late, 2)
+    msg, states, took = res[0]
+    assert "rank 1: in broadcast(root=0) #0" in msg, msg
+    assert states[1].startswith("in broadcast(root=0) #0"), states
+    assert "rank 1 called broadcast(root=0)" in msg, msg
+    assert took < 15.0, took  # (told at rank 1's first question, 1 s in; not at 30 s)
+    msg1, states1, _ = res[1]
+    assert states1[0].startswith("in broadcast(root=1) #0"), states1
+
+
 def monkeypatch_first_probe(seconds):
     """(In a rank's own process: its collectives ask the ranks they wait for after this.)"""
     import ctrlcomm._core
