@@ -189,7 +189,7 @@ def test_an_answer_of_another_call_at_this_seq_raises_the_mismatch_at_once(monke
     ep = ProbedEndpoint(clock, {0: [status_from(0, 0, "gather", 0, flag)]})
     told = []
     g = group(1, 3, ep)
-    monkeypatch.setattr(g._core, "_tell_peers", lambda *a: told.append(a))
+    monkeypatch.setattr(g._core, "_tell_peers", lambda *a, **k: told.append((a, k)))
     with pytest.raises(ctrlcomm.MismatchTimeoutError) as e:
         g.broadcast(None, src=0, timeout=20.0)
     assert clock.now - 1000.0 == pytest.approx(1.0)
@@ -198,7 +198,9 @@ def test_an_answer_of_another_call_at_this_seq_raises_the_mismatch_at_once(monke
                                      "rank 0 called gather(root=0)"), e.value.mismatch
     assert "cannot complete" in str(e.value) and e.value.mismatch in str(e.value)
     assert g.broken
-    assert [(kind, seq, rnd) for kind, _, seq, rnd in told] == [(w.ABORT, 0, w.ABORT_BY_PROBE)]
+    assert [(kind, seq, rnd) for (kind, _, seq, rnd), _ in told] == [(w.ABORT, 0, w.ABORT_BY_PROBE)]
+    # and which call this rank is in, for a rank told before it asked (it says so)
+    assert told[0][1] == {"op": w.OP_CODE["broadcast"], "root": 0}, told
 
 
 @pytest.mark.parametrize("answer", [
@@ -232,7 +234,7 @@ def test_the_error_names_every_rank_whose_answer_showed_another_call(monkeypatch
                                 2: [status_from(3, 0, "all_reduce", w.NO_ROOT,
                                                 w.STATUS_IN_CALL)]})
     g = group(0, 4, ep)
-    monkeypatch.setattr(g._core, "_tell_peers", lambda *a: None)
+    monkeypatch.setattr(g._core, "_tell_peers", lambda *a, **k: None)
     with pytest.raises(ctrlcomm.MismatchTimeoutError) as e:
         g.all_reduce(1, op="sum", timeout=20.0)
     assert ep.asked == [(1.0, 1), (1.0, 2), (1.0, 3)]
@@ -246,7 +248,7 @@ def test_a_call_without_a_deadline_asks_early_too(monkeypatch):
     monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
     ep = ProbedEndpoint(clock, {0: [status_from(0, 0, "gather", 0, w.STATUS_IN_CALL)]})
     g = group(1, 2, ep)
-    monkeypatch.setattr(g._core, "_tell_peers", lambda *a: None)
+    monkeypatch.setattr(g._core, "_tell_peers", lambda *a, **k: None)
     with pytest.raises(ctrlcomm.MismatchTimeoutError):
         g.broadcast(None, src=0, timeout=float("inf"))
     assert ep.asked == [(1.0, 0)] and clock.now - 1000.0 == pytest.approx(1.0)
