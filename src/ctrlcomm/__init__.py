@@ -19,6 +19,7 @@ from ._errors import OperandError as OperandError
 from ._errors import PeerLostError as PeerLostError
 from ._errors import ReductionError as ReductionError
 from ._errors import StoreError as StoreError
+from ._errors import StoreQueueEmptyError as StoreQueueEmptyError
 from ._errors import StoreTimeoutError as StoreTimeoutError
 from ._group import AioGroup as AioGroup
 from ._group import Group as Group
@@ -50,6 +51,7 @@ __all__ = [
     "StatelessProcessGroup",
     "StoreClient",
     "StoreError",
+    "StoreQueueEmptyError",
     "StoreServer",
     "StoreTimeoutError",
     "__version__",

@@ -165,6 +165,11 @@ class StoreKeyError(StoreError, KeyError):
     a KeyError too, as a dict's (and TCPStore's users expect)."""
 
 
+class StoreQueueEmptyError(StoreError):
+    """A store queue popped without waiting (``queue_pop(key, block=False)``) was empty
+    (TCPStore's ``QueueEmptyError``)."""
+
+
 class ArgumentTypeError(InvalidArgumentError, TypeError):
     """An argument of the wrong type (a store key that is neither str nor bytes): a
     TypeError too, as the builtin call (and TCPStore) raises."""

@@ -14,6 +14,7 @@ import operator
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from ._errors import (
     InvalidArgumentError,
     StoreError,
     StoreKeyError,
+    StoreQueueEmptyError,
     StoreTimeoutError,
     show,
 )
@@ -50,6 +52,11 @@ class StoreState:
     def __init__(self) -> None:
         self.data: dict[bytes, bytes] = {}
         self.waiters: list[_Waiter] = []
+        # queues (queue_push/pop/len), by name, and the pops parked on each, in their order
+        # of arrival (a push answers the first); ``queued``: their items, all queues together
+        self.queues: dict[bytes, deque[bytes]] = {}
+        self.poppers: dict[bytes, deque[_Waiter]] = {}
+        self.queued = 0
         self.requests = 0
         # Clients resend a request they got no answer to (same id). The last request of each
         # client and its reply (None while parked) make a resend safe: it is answered again,
@@ -113,6 +120,8 @@ class StoreState:
                 raise _Refused("too many waiting requests")
             self.waiters.append(_Waiter(peer, req, now + req.timeout))
             return []
+        if op in (w.S_QUEUE_PUSH, w.S_QUEUE_POP, w.S_QUEUE_LEN):
+            return self._queue(peer, req, now)
         if op == w.S_CHECK:
             return [(peer, w.StoreReply(w.R_OK, req.req_id,
                                         tuple(b"1" if k in self.data else b"0" for k in keys)))]
@@ -163,6 +172,48 @@ class StoreState:
             raise _Refused(f"unknown op {op}")
         return replies + self._wake()
 
+    def _queue(self, peer: bytes, req: w.StoreRequest, now: float
+               ) -> list[tuple[bytes, w.StoreReply]]:
+        if len(req.keys) != 1:
+            raise _Refused("a queue request takes exactly one key")
+        key = req.keys[0]
+        q = self.queues.get(key)
+        if req.op == w.S_QUEUE_LEN:
+            return [(peer, w.StoreReply(w.R_OK, req.req_id, (str(len(q or ())).encode(),)))]
+        if req.op == w.S_QUEUE_PUSH:
+            if len(req.values) != 1:
+                raise _Refused("queue_push takes one value")
+            waiting = self.poppers.get(key)
+            if waiting:  # the first pop parked takes it (the queue is empty meanwhile)
+                wt = waiting.popleft()
+                if not waiting:
+                    del self.poppers[key]
+                return self._remember([(peer, w.StoreReply(w.R_OK, req.req_id)),
+                                       (wt.peer, w.StoreReply(w.R_OK, wt.req.req_id,
+                                                              (req.values[0],)))])
+            if self.queued >= MAX_KEYS_STORED:
+                raise _Refused("store is full (queued items)")
+            if q is None:
+                q = self.queues[key] = deque()
+            q.append(req.values[0])
+            self.queued += 1
+            return [(peer, w.StoreReply(w.R_OK, req.req_id))]
+        if q:  # a pop
+            v = q.popleft()
+            self.queued -= 1
+            if not q:
+                del self.queues[key]
+            return [(peer, w.StoreReply(w.R_OK, req.req_id, (v,)))]
+        if req.timeout <= 0:
+            return [(peer, w.StoreReply(w.R_TIMEOUT, req.req_id, (key,)))]
+        if len(self.waiters) + self.n_poppers() >= MAX_WAITERS:
+            raise _Refused("too many waiting requests")
+        self.poppers.setdefault(key, deque()).append(_Waiter(peer, req, now + req.timeout))
+        return []
+
+    def n_poppers(self) -> int:
+        return sum(map(len, self.poppers.values()))
+
     def _put(self, key: bytes, value: bytes) -> None:
         if key not in self.data and len(self.data) >= MAX_KEYS_STORED:
             raise _Refused("store is full")
@@ -187,13 +238,28 @@ class StoreState:
             else:
                 keep.append(wt)
         self.waiters = keep
+        for key, waiting in list(self.poppers.items()):
+            if any(wt.deadline <= now for wt in waiting):
+                out += [(wt.peer, w.StoreReply(w.R_TIMEOUT, wt.req.req_id, (key,)))
+                        for wt in waiting if wt.deadline <= now]
+                self._set_poppers(key, [wt for wt in waiting if wt.deadline > now])
         return self._remember(out)
 
+    def _set_poppers(self, key: bytes, waiting: list[_Waiter]) -> None:
+        if waiting:
+            self.poppers[key] = deque(waiting)
+        else:
+            self.poppers.pop(key, None)
+
     def next_deadline(self) -> float | None:
-        return min((wt.deadline for wt in self.waiters), default=None)
+        return min((wt.deadline for wt in itertools.chain(self.waiters,
+                                                          *self.poppers.values())),
+                   default=None)
 
     def forget_peer(self, peer: bytes) -> None:
         self.waiters = [wt for wt in self.waiters if wt.peer != peer]
+        for key, waiting in list(self.poppers.items()):
+            self._set_poppers(key, [wt for wt in waiting if wt.peer != peer])
 
 
 class _Refused(Exception):
@@ -513,6 +579,33 @@ class StoreClient:
             out.append(data[at + cut:at + n].decode(errors="replace"))
             at += n
         return out
+
+    def queue_push(self, key: str | bytes, value: str | bytes, *,
+                   timeout: float | None = None) -> None:
+        """Append ``value`` to the queue ``key`` (TCPStore's). Queues are apart from the
+        keys: ``get``, ``check`` and ``num_keys`` do not see them."""
+        self._call(w.S_QUEUE_PUSH, [self._k(key)], [_b(value)], timeout)
+
+    def queue_pop(self, key: str | bytes, block: bool = True, *,
+                  timeout: float | None = None) -> bytes:
+        """Take the first value of the queue ``key`` (TCPStore's). Where it is empty: with
+        ``block``, waits up to ``timeout`` for a push (each value goes to one pop only, the
+        first parked), then raises :class:`StoreTimeoutError`; without, raises
+        :class:`StoreQueueEmptyError` at once."""
+        t = self.timeout if timeout is None else _timeout(timeout, "queue_pop")
+        rep = self._call(w.S_QUEUE_POP, [self._k(key)], (), t + REPLY_SLACK_S,
+                         t if block else 0.0)
+        if rep.status == w.R_TIMEOUT:
+            if not block:
+                raise StoreQueueEmptyError(f"store at {self.host}:{self.port}: queue {key!r} "
+                                           "is empty")
+            raise StoreTimeoutError(f"store at {self.host}:{self.port}: queue_pop of {key!r} "
+                                    f"timed out after {t:g} s (nothing was pushed)")
+        return rep.values[0]
+
+    def queue_len(self, key: str | bytes, *, timeout: float | None = None) -> int:
+        """How many values the queue ``key`` holds (TCPStore's; 0 for one never pushed to)."""
+        return int(self._call(w.S_QUEUE_LEN, [self._k(key)], (), timeout).values[0])
 
     def close(self) -> None:
         """Close the connection; a call waiting in another thread raises StoreError (never

@@ -96,6 +96,78 @@ def test_compare_set_answers_as_torchs_tcpstore(store):
     ours.close()
 
 
+def test_queues_push_pop_len_as_tcpstores(store):
+    """``pg.store.queue_push/queue_pop/queue_len``, as code written for TCPStore calls them:
+    first in, first out, per prefix, apart from the keys; a pop of an empty queue waits
+    for a push (each value to one pop), or says it is empty at once without ``block``."""
+    a = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="qa/")
+    b = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="qb/")
+    keys = a.num_keys()
+    assert a.queue_len("jobs") == 0
+    a.queue_push("jobs", "one")
+    a.queue_push("jobs", b"\x00two")
+    b.queue_push("jobs", "other")
+    assert a.queue_len("jobs") == 2 and b.queue_len("jobs") == 1
+    assert a.num_keys() == keys and not a.check(["jobs"])  # (queues are not keys)
+    assert a.queue_pop("jobs") == b"one" and a.queue_pop("jobs", False) == b"\x00two"
+    with pytest.raises(ctrlcomm.StoreQueueEmptyError, match="queue 'jobs' is empty"):
+        a.queue_pop("jobs", block=False)
+    t = time.monotonic()
+    with pytest.raises(ctrlcomm.StoreTimeoutError, match="queue_pop of 'jobs' timed out"):
+        a.queue_pop("jobs", timeout=0.3)
+    assert 0.25 < time.monotonic() - t < 3.0
+    a.queue_push("jobs", "after")  # (the pop that timed out took nothing)
+    assert a.queue_pop("jobs") == b"after" and b.queue_pop("jobs") == b"other"
+
+    # consumers parked in threads, each on its own connection: every value once, in order
+    # of the pops' arrival; a timed-out pop loses nothing
+    got, clients = [], []
+
+    def consume():
+        c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=10, prefix="qa/")
+        clients.append(c)
+        got.append(c.queue_pop("work"))
+
+    threads = [threading.Thread(target=consume) for _ in range(3)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:  # (the server's thread changes its state meanwhile)
+            if store.state.n_poppers() == 3:
+                break
+        except RuntimeError:
+            pass
+        time.sleep(0.01)
+    for i in range(4):
+        a.queue_push("work", f"w{i}")
+    for th in threads:
+        th.join(15)
+    assert sorted(got) == [b"w0", b"w1", b"w2"] and a.queue_len("work") == 1
+    assert a.queue_pop("work") == b"w3"
+    for c in (a, b, *clients):
+        c.close()
+    with pytest.raises(ctrlcomm.StoreError, match="closed"):
+        a.queue_len("jobs")
+
+    dist = pytest.importorskip("torch.distributed")  # the same answers from TCPStore's
+    from datetime import timedelta
+
+    theirs = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=5))
+    ours = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="qt/")
+    answers = []
+    for s in (theirs, ours):
+        s.queue_push("q", "x")
+        s.queue_push("q", b"y")
+        answers.append((s.queue_len("q"), s.queue_pop("q"), s.queue_pop("q", block=False),
+                        s.queue_len("q"), s.queue_len("never")))
+    assert answers[0] == answers[1] == (2, b"x", b"y", 0, 0)
+    for s, empty in ((theirs, dist.QueueEmptyError), (ours, ctrlcomm.StoreQueueEmptyError)):
+        with pytest.raises(empty):
+            s.queue_pop("q", block=False)
+    ours.close()
+
+
 def test_num_keys_and_list_keys_answer_as_tcpstores(store):
     """``pg.store.num_keys()`` and ``list_keys()``, as code written for TCPStore calls them:
     the count is of every key (a prefix does not narrow it, as with torch's PrefixStore);

@@ -34,6 +34,42 @@ def test_num_keys_counts_every_key_and_list_keys_those_under_a_prefix():
     assert w.decode_store_request(frames).op == w.S_LIST_KEYS
 
 
+def test_queues_first_in_first_out_apart_from_the_keys():
+    s = StoreState()
+    for v in (b"a", b"b"):
+        assert s.handle(b"p", req(w.S_QUEUE_PUSH, [b"q"], [v]), 0)[0][1].status == w.R_OK
+    assert s.handle(b"p", req(w.S_QUEUE_LEN, [b"q"]), 0)[0][1].values == (b"2",)
+    assert b"q" not in s.data and s.handle(b"p", req(w.S_NUM_KEYS, []), 0)[0][1].values == (b"0",)
+    assert s.handle(b"p", req(w.S_QUEUE_POP, [b"q"]), 0)[0][1].values == (b"a",)
+    assert s.handle(b"p", req(w.S_QUEUE_POP, [b"q"]), 0)[0][1].values == (b"b",)
+    (_, empty), = s.handle(b"p", req(w.S_QUEUE_POP, [b"q"]), 0)  # (no wait: answered now)
+    assert empty.status == w.R_TIMEOUT and empty.values == (b"q",)
+    assert s.queues == {} and s.queued == 0  # (an emptied queue leaves nothing behind)
+    for op in (w.S_QUEUE_PUSH, w.S_QUEUE_POP, w.S_QUEUE_LEN):  # (the wire knows them)
+        assert w.decode_store_request(w.encode_store_request(req(op, [b"q"]))).op == op
+
+
+def test_a_push_answers_the_first_parked_pop_only_and_pops_expire():
+    s = StoreState()
+    assert s.handle(b"a", req(w.S_QUEUE_POP, [b"q"], timeout=5, rid=1), 0.0) == []
+    assert s.handle(b"b", req(w.S_QUEUE_POP, [b"q"], timeout=2, rid=2), 0.0) == []
+    assert s.handle(b"c", req(w.S_QUEUE_POP, [b"q"], timeout=9, rid=3), 0.0) == []
+    assert s.next_deadline() == 2.0
+    out = s.handle(b"p", req(w.S_QUEUE_PUSH, [b"q"], [b"v1"], rid=4), 1.0)
+    assert (b"a", w.StoreReply(w.R_OK, 1, (b"v1",))) in out and len(out) == 2
+    assert s.handle(b"b", req(w.S_QUEUE_POP, [b"q"], timeout=2, rid=2), 1.5) == []  # resent
+    assert s.expire(1.9) == []
+    assert s.expire(2.0) == [(b"b", w.StoreReply(w.R_TIMEOUT, 2, (b"q",)))]
+    s.forget_peer(b"c")  # (its connection went: a push then queues, for someone else)
+    assert s.poppers == {} and s.next_deadline() is None
+    s.handle(b"p", req(w.S_QUEUE_PUSH, [b"q"], [b"v2"], rid=5), 3.0)
+    assert s.handle(b"p", req(w.S_QUEUE_LEN, [b"q"]), 3.0)[0][1].values == (b"1",)
+    # a pop resent (its reply lost) is answered again, not given the next value
+    first = s.handle(b"a", req(w.S_QUEUE_POP, [b"q"], rid=6), 3.0)
+    assert first == s.handle(b"a", req(w.S_QUEUE_POP, [b"q"], rid=6), 3.0)
+    assert first[0][1].values == (b"v2",) and s.queued == 0
+
+
 def test_waiting_get_is_answered_by_a_later_set_or_expires():
     s = StoreState()
     assert s.handle(b"a", req(w.S_GET, [b"x", b"y"], timeout=5, rid=9), 0.0) == []
