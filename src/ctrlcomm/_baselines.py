@@ -381,6 +381,43 @@ def _ended_with_parent() -> Callable[[], None] | None:
     return tie
 
 
+MPI_TMP = "ctrlcomm-bench-mpi-"  # + the bench's pid + "-": the folder of a run's files
+STALE_TMP_S = 3600.0  # a folder of a bench no longer running is removed once this old
+
+
+def sweep_stale_tmp(root: str | None = None, now: float | None = None) -> list[str]:
+    """Remove the folders of MPI runs whose bench was killed outright (SIGKILL: it could
+    not remove its own), in ``root`` (the temporary folder): this user's, of a pid not
+    running, untouched for :data:`STALE_TMP_S` (beyond any run's timeout: a bench of
+    another pid namespace sharing the folder, whose pid this one cannot see, may still
+    run). Returns those removed."""
+    root = root or tempfile.gettempdir()
+    now = time.time() if now is None else now
+    gone: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return gone
+    for e in entries:
+        pid = e.name[len(MPI_TMP):].split("-", 1)[0]
+        if not e.name.startswith(MPI_TMP) or not pid.isdecimal() or int(pid) == os.getpid():
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+            if not e.is_dir(follow_symlinks=False) or st.st_uid != os.getuid() \
+                    or now - st.st_mtime < STALE_TMP_S:
+                continue
+            os.kill(int(pid), 0)
+            continue  # (running)
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):  # (PermissionError: another user's process runs)
+            continue
+        shutil.rmtree(e.path, ignore_errors=True)
+        gone.append(e.path)
+    return gone
+
+
 def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
     """Run the ops under ``mpiexec -n N`` (MPICH) and collect each rank's figures. Raises
     ``subprocess.SubprocessError`` if it fails or runs past ``cfg["timeout"]`` (default 900 s;
@@ -390,7 +427,8 @@ def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
     exe = mpiexec()
     assert exe is not None
     timeout = cfg.get("timeout", 900)
-    with tempfile.TemporaryDirectory() as tmp:
+    sweep_stale_tmp()
+    with tempfile.TemporaryDirectory(prefix=f"{MPI_TMP}{os.getpid()}-") as tmp:
         cfg_path = os.path.join(tmp, "cfg.json")
         with open(cfg_path, "w") as f:
             json.dump({k: cfg[k] for k in ("ops", "sizes", "iters", "warmup")}, f)

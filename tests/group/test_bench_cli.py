@@ -880,6 +880,36 @@ def test_an_interrupted_mpi_run_leaves_nothing_running():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_folders_of_mpi_runs_killed_outright_are_removed_by_a_later_one(tmp_path):
+    import time
+
+    from ctrlcomm._baselines import MPI_TMP, STALE_TMP_S, sweep_stale_tmp
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # (a pid that runs no more)
+    now = time.time()
+    made = {}
+    for name, pid, age in [("stale", ended.pid, STALE_TMP_S + 10),
+                           ("fresh", ended.pid, 10),  # (perhaps another namespace's run)
+                           ("running", os.getppid(), STALE_TMP_S + 10),
+                           ("mine", os.getpid(), STALE_TMP_S + 10)]:
+        d = tmp_path / f"{MPI_TMP}{pid}-{name}"
+        d.mkdir()
+        (d / "rank0.json").write_text("[]")
+        os.utime(d, (now - age, now - age))
+        made[name] = d
+    other = tmp_path / "ctrlcomm-bench-mpi-x-y"
+    other.mkdir()
+    plain = tmp_path / f"{MPI_TMP}{ended.pid}-file"
+    plain.write_text("")
+    os.utime(plain, (now - STALE_TMP_S - 10, now - STALE_TMP_S - 10))
+    assert sweep_stale_tmp(str(tmp_path), now) == [str(made["stale"])]
+    assert not made["stale"].exists()
+    assert all(made[k].is_dir() for k in ("fresh", "running", "mine"))
+    assert other.is_dir() and plain.is_file()
+    assert sweep_stale_tmp(str(tmp_path / "none"), now) == []
+
+
 def test_an_mpi_run_ends_with_a_bench_killed_outright():
     """SIGKILL to the bench while mpiexec runs (no cleanup of its own can run): mpiexec gets
     SIGTERM as the bench ends (its parent-death signal) and ends the ranks it started. (They
@@ -916,9 +946,21 @@ def test_an_mpi_run_ends_with_a_bench_killed_outright():
             pytest.fail("mpiexec's ranks did not start")
         mpi = _descendants(p.pid)  # (ctrlcomm's own run has ended by now)
         assert len(mpi) >= 4, mpi  # mpiexec, its proxy, the two ranks
+        import tempfile
+
+        folder = [e.path for e in os.scandir(tempfile.gettempdir())
+                  if e.name.startswith(f"{_baselines.MPI_TMP}{p.pid}-")]
+        assert len(folder) == 1, folder  # the run's files, named for its bench
         p.kill()
         p.wait()
         assert not _still_alive_after(mpi, 5)
+        # left behind (nothing of the bench could run), and removed by a later run once
+        # old enough (not before: it may be the folder of a run of another pid namespace)
+        assert os.path.isdir(folder[0])
+        assert folder[0] not in _baselines.sweep_stale_tmp()
+        later = time.time() + _baselines.STALE_TMP_S + 1
+        assert folder[0] in _baselines.sweep_stale_tmp(now=later)
+        assert not os.path.exists(folder[0])
     finally:
         for pid in [p.pid, *seen]:  # (only what this test started)
             if _alive(pid):
