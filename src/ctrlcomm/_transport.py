@@ -1714,7 +1714,7 @@ class TcpEndpoint:
                 if closing:
                     loop.call_soon_threadsafe(self._unwatch_and_close, loop)
                 else:
-                    loop.call_soon_threadsafe(loop.remove_reader, self.fd)
+                    loop.call_soon_threadsafe(self._unwatch_late, loop)
                 if timer is not None:
                     loop.call_soon_threadsafe(timer.cancel)
                 return closing
@@ -1725,6 +1725,19 @@ class TcpEndpoint:
         except (RuntimeError, ValueError, OSError):  # the loop is closing
             pass
         return False
+
+    def _unwatch_late(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(In the loop's thread: see _unwatch.) Unless the endpoint has come back to this
+        loop meanwhile: an awaited call of it, run before this (the loop blocked while
+        another loop's call waited: a sync-over-async bridge), registered the descriptor
+        again, and removing that took it away for good (each wait of the loop then ended
+        only at a timer: seconds late, or at its deadline)."""
+        if self._loop is loop:
+            return
+        try:
+            loop.remove_reader(self.fd)
+        except (RuntimeError, ValueError, OSError):
+            pass
 
     def _unwatch_and_close(self, loop: asyncio.AbstractEventLoop) -> None:
         """(In the loop's thread: see _unwatch.)"""

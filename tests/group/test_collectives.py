@@ -5,6 +5,7 @@ the sequential reference. World sizes 1, 2, 3, 4, 5 and 8, and both transports.
 """
 
 import asyncio
+import contextlib
 import operator
 import time
 
@@ -401,6 +402,59 @@ def test_a_close_while_the_loop_is_stopped_leaves_nothing_watched(transport):
                              group_kwargs={"transport": transport})[1]
     assert ended == "GroupClosedError"
     assert not stale, "the closed endpoint's descriptor was still watched by the loop"
+
+
+def awaited_from_a_bridge_loop_between(g):
+    """A sync-over-async bridge: a coroutine on the main loop calls a sync helper that runs
+    another awaited call with asyncio.run in a worker thread (which waits, the main loop
+    blocked meanwhile); then the main loop's awaited recvs. Liveness off: only the
+    deadline's timer would end a wait whose descriptor is not watched."""
+    import concurrent.futures
+
+    g._core.ep.spare_cpu = False  # (as with more ranks than CPUs: every wait sleeps)
+    if g.rank == 1:
+        time.sleep(0.5)
+        g.barrier(timeout=30)  # (what the worker's awaited barrier waits for)
+        for _ in range(3):
+            time.sleep(0.3)
+            g.send(time.monotonic(), 0)
+        g.barrier(timeout=60)
+        return None
+    if g.rank == 2:
+        g.barrier(timeout=30)
+        g.barrier(timeout=60)
+        return None
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    async def main():
+        with contextlib.suppress(ctrlcomm.CollectiveTimeoutError):
+            await g.aio.recv(1, tag=99, timeout=0.2)  # (the main loop watches the group)
+        pool.submit(asyncio.run, g.aio.barrier(timeout=30)).result()  # (blocks this loop)
+        late = []
+        for _ in range(3):
+            sent = await g.aio.recv(1, timeout=20)
+            late.append(time.monotonic() - sent)
+        loop = asyncio.get_running_loop()
+        watched = g._core.ep.fd in loop._selector.get_map() if g._core.ep.fd is not None \
+            else None
+        return late, watched
+
+    try:
+        return asyncio.run(main())
+    finally:
+        pool.shutdown()
+        g.barrier(timeout=60)
+
+
+def test_a_loop_that_used_the_group_before_another_loop_did_is_woken_by_its_messages():
+    # (before, over TCP: the other loop's removal of this loop's reader, queued while this
+    # loop was blocked, ran after this loop had registered it again, and took it away:
+    # every later wait of this loop ended at a timer only: its deadline, or the next
+    # step of the call's own timers, 0.1-0.7 s late here)
+    late, watched = run_group(awaited_from_a_bridge_loop_between, 3, timeout=120,
+                              group_kwargs={"transport": "tcp", "liveness_timeout": None})[0]
+    assert watched is not False
+    assert max(late) < 5.0, late
 
 
 def closed_as_a_wait_begins(g, what):
