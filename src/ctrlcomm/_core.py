@@ -81,6 +81,9 @@ SUSPECT_GRACE = 1.0
 # whether a destination is lost: a peer's goodbye, abort or end of stream, which a wait would
 # have read, and a peer silent past liveness_timeout (ZeroMQ's sends never fail)
 LOOK_S = 0.1
+# How long an abort() waits for the sockets of an awaited call it finds suspended in another
+# thread's loop (Core._abort_suspended: the call's thread holds them while it runs a step)
+ABORT_TAKE_S = 0.1
 # An abort (abort(), a cancelled or interrupted call, a lost peer or mismatch told) waits this
 # long at most for connections still being made, so that its word goes out on them (a rank
 # that makes no call after it would never send it)
@@ -1392,6 +1395,27 @@ class Core:
             # held by another thread: it runs this at its next wake-up, or when its call
             # ends, whichever is first (after releasing the lock, it looks: _unlock)
             self.ep.wake()
+            if what == "abort" and self._holder != _get_ident():
+                self._abort_suspended()
+
+    def _abort_suspended(self) -> None:
+        """abort() from a thread (a watchdog) while an awaited call of another thread's event
+        loop holds the group, suspended in a wait: that loop may not run again for long
+        (blocked: what a watchdog is for), and the word it would send waited for it (a
+        peer then waited out its timeout). It is sent from here: the call's thread uses
+        no socket while the call is suspended (``ep.io``, which it holds otherwise, and its
+        loop's reader callback takes, is free, ``held_async`` set). The call, as it
+        resumes, raises. (A blocking call is woken, and does it itself at once.)"""
+        ep = self.ep
+        if not ep.held_async or not ep.io.acquire(timeout=ABORT_TAKE_S):
+            return
+        try:
+            if ep.held_async and self._deferred \
+                    and all(what == "abort" for what, _ in self._deferred):
+                self._run_deferred()
+        finally:
+            ep.io.release()
+        ep.wake()
 
     def _run_deferred_unlocked(self) -> None:
         # (the loop: what is asked while this runs is run too, or by whoever holds the
@@ -1521,11 +1545,15 @@ async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
             raise
         finally:
             ep.yielding -= 1
+    # (ep.io: held while the call runs, released while it is suspended in a wait: see
+    # Core._abort_suspended)
+    io = ep.io
+    io.acquire()
     try:
         delay = next(gen)
         while True:
             try:
-                await core.ep.wait_async(delay)
+                await ep.wait_async(delay)
             except BaseException:  # cancelled: let the generator record what that means
                 gen.close()
                 raise
@@ -1534,6 +1562,7 @@ async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
         return e.value
     finally:
         ep.ended = _monotonic()
+        io.release()
 
 
 __all__ = ["Call", "Core", "run_sync", "run_async"]

@@ -42,7 +42,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
 import zmq
@@ -273,6 +273,21 @@ def _bind_error(e: zmq.ZMQError, what: str, addr: str) -> CtrlcommError:
     return StoreError(f"cannot bind {what} on {addr}: {e}")
 
 
+async def _unheld(ep: Any, aw: Awaitable[Any]) -> None:
+    """Await ``aw`` (a wait of an awaited call) with ``ep.io`` released, and ``held_async``
+    set meanwhile: the call is suspended, its event loop's thread free to stay away (a
+    watchdog's abort() sends from its own thread then: see Core._abort_suspended). Taken
+    back as the call resumes, cancelled too."""
+    io = ep.io
+    ep.held_async = True
+    io.release()
+    try:
+        await aw
+    finally:
+        io.acquire()
+        ep.held_async = False
+
+
 class ZmqEndpoint:
     """A rank's sockets in one group, over ZeroMQ (``transport="zmq"``)."""
 
@@ -319,6 +334,7 @@ class ZmqEndpoint:
         self._poller.register(self.rx, zmq.POLLIN)
         self.bell = _Bell()
         self._poller.register(self.bell.fd, zmq.POLLIN)
+        self.io, self.held_async = threading.Lock(), False  # see Core._abort_suspended
         # (loop, wake) of an awaited wait in progress (see wake)
         self._aw: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
         self.turn = 0.0  # when an awaited wait last went through the event loop
@@ -433,10 +449,10 @@ class ZmqEndpoint:
         """Like :meth:`wait`, through the running event loop (other coroutines keep running)."""
         if self.rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             if _turn_due(self):  # (no need to go through the event loop, but for that)
-                await asyncio.sleep(0)
+                await _unheld(self, asyncio.sleep(0))
             return
         try:
-            await self._readable(timeout)
+            await _unheld(self, self._readable(timeout))
         finally:
             self.turn = time.monotonic()
 
@@ -997,6 +1013,7 @@ class TcpEndpoint:
         self.spare_cpu = False
         self.bell = _Bell()
         self.ep.register(self.bell.fd, select.EPOLLIN)
+        self.io, self.held_async = threading.Lock(), False  # see Core._abort_suspended
         # the descriptors that are not connections: the listeners, and the bell
         self._lfds = (ls.fileno(), self.usock.fileno() if self.usock is not None else -2,
                       self.bell.fd)
@@ -1608,14 +1625,14 @@ class TcpEndpoint:
             # cancellation) are not held up by a stream that keeps the socket ready
             self._ready = ready
             if _turn_due(self):
-                await asyncio.sleep(0)
+                await _unheld(self, asyncio.sleep(0))
             return
         if self.spare_cpu:
             # the ranks of this host have a CPU each: what is waited for is likely a few
             # microseconds away, and sleeping costs more (an epoll wake-up: tens of them).
             # The loop gets one turn first, then one more look before sleeping. (Where ranks
             # share CPUs the turn is only overhead.)
-            await asyncio.sleep(0)
+            await _unheld(self, asyncio.sleep(0))
             if self.closed:  # by another task meanwhile: the call finds out
                 return
             ready = self.ep.poll(0)
@@ -1638,7 +1655,7 @@ class TcpEndpoint:
             # the time and waits again)
             self._timer = loop.call_at(at, self._on_timer, loop)
         try:
-            await fut
+            await _unheld(self, fut)
         finally:
             self._waiter = None
             self.turn = time.monotonic()
@@ -1661,6 +1678,11 @@ class TcpEndpoint:
             return
         if fut.done():
             return
+        with self.io:  # (a watchdog's abort may be sending: see Core._abort_suspended)
+            self._read_for(fut)
+
+    def _read_for(self, fut: asyncio.Future[None]) -> None:
+        """(_on_readable's reading, holding ``io``.)"""
         if not self.closed and self.sink is not None:
             ready = self.ep.poll(0)
             if not ready:  # read already (by the woken call): keep waiting

@@ -475,6 +475,62 @@ def test_abort_or_close_from_another_thread_ends_a_waiting_call_at_once(store, w
         assert name == "GroupClosedError" and closed, msg
 
 
+def watchdog_of_a_stuck_loop(rank, size, port, transport, op):
+    """Rank 0's awaited call (a recv, or an all_reduce rank 1 is not in) holds the group,
+    suspended; then its event loop is stuck (a blocking call in a task, 6 s), and a
+    watchdog thread aborts the group at 1 s. Rank 1 waits in a recv from rank 0."""
+    name = f"stuck-{transport}-{op}"
+    g = _group(rank, size, port, name=name, transport=transport, liveness_timeout=None)
+    g.barrier()
+    t0 = time.monotonic()
+    if rank == 1:
+        try:
+            g.recv(0, timeout=30)
+            return "no error", "", 0.0
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__, str(e), time.monotonic() - t0
+        finally:
+            g.store.set(f"{name} done", b"1")
+    aborted = []
+
+    def watchdog():
+        time.sleep(1.0)
+        g.abort("watchdog: event loop stuck")
+        aborted.append(time.monotonic() - t0)
+
+    async def main():
+        call = asyncio.ensure_future(g.aio.recv(1, timeout=60) if op == "recv"
+                                     else g.aio.all_reduce(1, timeout=60))
+        await asyncio.sleep(0.2)  # (the call waits)
+        threading.Thread(target=watchdog).start()
+        time.sleep(6.0)  # noqa: ASYNC251  (the loop is stuck: what the watchdog is for)
+        try:
+            await call
+            return "returned", ""
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__, str(e)
+
+    out = asyncio.run(main())
+    g.store.wait([f"{name} done"], timeout=60)
+    return out, aborted
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+@pytest.mark.parametrize("op", ["recv", "all_reduce"])
+def test_a_watchdogs_abort_goes_out_while_the_awaited_calls_event_loop_is_stuck(store,
+                                                                              transport, op):
+    # (before: the word waited for rank 0's loop to run again: rank 1 learnt at 6 s, and,
+    # had the loop stayed stuck, only at its own 30 s deadline, naming no abort)
+    ((name0, msg0), aborted), (name1, msg1, took) = run_ranks(
+        watchdog_of_a_stuck_loop, 2, store.port, transport, op, timeout=90)
+    assert aborted and aborted[0] < 3.0, aborted  # (abort() itself returned at once)
+    assert name1 == "PeerLostError" and "rank 0 aborted the group" in msg1 \
+        and "watchdog: event loop stuck" in msg1, msg1
+    assert took < 4.0, took  # (told at ~1 s; 6 s before, when rank 0's loop ran again)
+    # and rank 0's call, as its loop runs again, raises: the group is broken
+    assert name0 == "GroupBrokenError" and "watchdog: event loop stuck" in msg0, msg0
+
+
 def watchdog_task(rank, size, port, what, transport, op):
     """As watchdog, but the watchdog is another asyncio task of the waiting call's event loop
     (an engine's health check, say): the call must end then too, not at its next status
