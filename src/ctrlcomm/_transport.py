@@ -1654,9 +1654,14 @@ class TcpEndpoint:
             # (one that fires sooner than this wait needs wakes it early: the call looks at
             # the time and waits again)
             self._timer = loop.call_at(at, self._on_timer, loop)
+        io = self.io  # (as _unheld does, written out: the wait of every call that sleeps)
+        self.held_async = True
+        io.release()
         try:
-            await _unheld(self, fut)
+            await fut
         finally:
+            io.acquire()
+            self.held_async = False
             self._waiter = None
             self.turn = time.monotonic()
 
