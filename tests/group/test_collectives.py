@@ -457,6 +457,46 @@ def test_a_loop_that_used_the_group_before_another_loop_did_is_woken_by_its_mess
     assert max(late) < 5.0, late
 
 
+def awaited_calls_of_two_threads_one_mid_step(g):
+    """Thread A's awaited all_reduce runs a reduction callable that takes 4 s (mid-step:
+    it holds the group's sockets); meanwhile thread B's awaited barrier, and a blocking
+    one, are refused at once or within a second, not left waiting for A's step."""
+    import threading
+
+    def slow_max(a, b):
+        time.sleep(4.0)
+        return max(a, b)
+
+    if g.rank == 1:
+        return g.all_reduce(5, op=slow_max, timeout=30), None
+    got = {}
+
+    def thread_b():
+        time.sleep(0.5)  # (A is in its step by then)
+        for what, call in (("awaited", lambda: asyncio.run(g.aio.barrier(timeout=5))),
+                           ("blocking", lambda: g.barrier(timeout=5))):
+            t = time.monotonic()
+            try:
+                call()
+                got[what] = "returned", 0.0
+            except ctrlcomm.CtrlcommError as e:
+                got[what] = type(e).__name__, time.monotonic() - t
+
+    th = threading.Thread(target=thread_b)
+    th.start()
+    r = asyncio.run(g.aio.all_reduce(7, op=slow_max, timeout=30))
+    th.join(30)
+    return r, got
+
+
+def test_an_awaited_call_of_another_thread_mid_step_is_refused_not_waited_for():
+    (r0, got), (r1, _) = run_group(awaited_calls_of_two_threads_one_mid_step, 2, timeout=60)
+    assert r0 == r1 == 7
+    for what in ("awaited", "blocking"):
+        name, took = got[what]
+        assert name == "ConcurrentUseError" and took < 2.5, got  # (not at A's step's end)
+
+
 def closed_as_a_wait_begins(g, what):
     """close() or abort() from another thread lands just as an awaited wait begins (after
     the call's last look, before the wait is registered: injected here): the wait ends at
