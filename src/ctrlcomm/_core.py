@@ -1389,8 +1389,15 @@ class Core:
             # this thread is under this one, in a signal handler or a reduction callable:
             # it is mid-wait or mid-step, and does it itself, below.) Its wait is ended
             # (an abort leaves the sockets open: nothing else would wake it before its
-            # next probe, liveness check or deadline)
-            self._run_deferred()
+            # next probe, liveness check or deadline). (Taking the sockets from a watchdog's
+            # abort sending meanwhile: see _abort_suspended)
+            io = self.ep.io
+            took = io.acquire(timeout=IO_TAKE_S)
+            try:
+                self._run_deferred()
+            finally:
+                if took:
+                    io.release()
             self.ep.wake()
         else:
             # held by another thread: it runs this at its next wake-up, or when its call
