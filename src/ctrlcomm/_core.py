@@ -84,7 +84,7 @@ LOOK_S = 0.1
 # How long an abort() waits for the sockets of an awaited call it finds suspended in another
 # thread's loop (Core._abort_suspended: the call's thread holds them while it runs a step)
 ABORT_TAKE_S = 0.1
-IO_TAKE_S = 1.0  # how long an awaited call waits for those sockets (see run_async)
+IO_TAKE_S = 1.0  # how long a call waits for those sockets at most (see run_async)
 # An abort (abort(), a cancelled or interrupted call, a lost peer or mismatch told) waits this
 # long at most for connections still being made, so that its word goes out on them (a rank
 # that makes no call after it would never send it)
@@ -1556,10 +1556,11 @@ async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
     # (ep.io: held while the call runs, released while it is suspended in a wait: see
     # Core._abort_suspended)
     io = ep.io
-    if not io.acquire(timeout=IO_TAKE_S):
-        # held that long: by another thread's awaited call, mid-step (a long reduction
-        # callable), whose group this call could not take either; or by a thread of the
-        # parent process that forked this one mid-step (the copy is never released)
+    if not io.acquire(False) and (core._lock.locked() or not io.acquire(timeout=IO_TAKE_S)):
+        # held by another thread's call (an awaited one mid-step, a long reduction callable
+        # say, or a watchdog's abort for one suspended), which holds the group too: refused
+        # at once, as the group would refuse it, without blocking this loop; or held past
+        # IO_TAKE_S (a copy held by a thread of the parent that forked this process)
         gen.close()
         raise ConcurrentUseError(
             f"group {core.name!r} (rank {core.rank}) is busy with {core._owner or 'a call'} "
