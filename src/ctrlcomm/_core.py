@@ -1390,7 +1390,9 @@ class Core:
             # it is mid-wait or mid-step, and does it itself, below.) Its wait is ended
             # (an abort leaves the sockets open: nothing else would wake it before its
             # next probe, liveness check or deadline). (Taking the sockets from a watchdog's
-            # abort sending meanwhile: see _abort_suspended)
+            # abort sending meanwhile: see _abort_suspended; ``io`` is re-entrant: a signal
+            # handler's close() or abort() while this thread's loop reads, in its reader
+            # callback, holding it, waited for itself)
             io = self.ep.io
             took = io.acquire(timeout=IO_TAKE_S)
             try:
@@ -1418,9 +1420,17 @@ class Core:
         if not ep.held_async or not ep.io.acquire(timeout=ABORT_TAKE_S):
             return
         try:
-            if ep.held_async and self._deferred \
-                    and all(what == "abort" for what, _ in self._deferred):
-                self._run_deferred()
+            # only the aborts: a close() asked meanwhile (which closes sockets that loop
+            # still watches) waits for the call's thread, and does not hold up the word
+            while ep.held_async and not ep.closed:
+                item = next((d for d in self._deferred if d[0] == "abort"), None)
+                if item is None:
+                    break
+                try:
+                    self._deferred.remove(item)
+                except ValueError:  # (run by another thread meanwhile)
+                    continue
+                self._send_abort(item[1])
         finally:
             ep.io.release()
         ep.wake()
@@ -1441,20 +1451,7 @@ class Core:
             if self.ep.closed:
                 continue
             if what == "abort":
-                # the call it concerns, chosen here, by the thread that holds the group
-                # (another thread's abort() cannot know whether the call in progress will
-                # complete): a collective in progress, which fails here too; else the last
-                # one, where it failed here; else the next
-                a = self.active
-                if a is not None and a[1] >= 0:
-                    seq = a[1]
-                    c = self.cause
-                    self._fail_call(c if isinstance(c, CtrlcommError) else GroupBrokenError(reason))
-                elif self._failed_seq == self.seq - 1 >= 0:
-                    seq = self._failed_seq
-                else:
-                    seq = self.seq
-                self._tell_peers(w.ABORT, reason, seq, w.ABORT_AT_CALL)
+                self._send_abort(reason)
             else:
                 # a group closed broken says why: a peer that waited for this rank learns
                 # the first cause (a third rank's abort, say, whose own word may come later)
@@ -1462,6 +1459,23 @@ class Core:
                 self._tell_peers(w.BYE, "" if cause is None
                                  else f"{type(cause).__name__}: {cause}"[:BYE_TEXT])
                 self.ep.close(gone=set(self.gone))  # (nothing to linger for: see there)
+
+    def _send_abort(self, reason: str) -> None:
+        """(Holding the group, or its sockets for a suspended call: _abort_suspended.) The
+        call it concerns, chosen here, by the thread that holds the group (another thread's
+        abort() cannot know whether the call in progress will complete): a collective in
+        progress, which fails here too; else the last one, where it failed here; else the
+        next."""
+        a = self.active
+        if a is not None and a[1] >= 0:
+            seq = a[1]
+            c = self.cause
+            self._fail_call(c if isinstance(c, CtrlcommError) else GroupBrokenError(reason))
+        elif self._failed_seq == self.seq - 1 >= 0:
+            seq = self._failed_seq
+        else:
+            seq = self.seq
+        self._tell_peers(w.ABORT, reason, seq, w.ABORT_AT_CALL)
 
     def _tell_peers(self, kind: int, text: str, seq: int = 0, rnd: int = 0,
                     to: Sequence[int] | None = None, op: int = 0,

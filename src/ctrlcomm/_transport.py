@@ -278,14 +278,31 @@ async def _unheld(ep: Any, aw: Awaitable[Any]) -> None:
     set meanwhile: the call is suspended, its event loop's thread free to stay away (a
     watchdog's abort() sends from its own thread then: see Core._abort_suspended). Taken
     back as the call resumes, cancelled too."""
-    io = ep.io
     ep.held_async = True
-    io.release()
+    ep.io.release()
     try:
         await aw
     finally:
-        io.acquire()
-        ep.held_async = False
+        _take_back(ep)
+
+
+def _take_back(ep: Any) -> None:
+    """Take ``ep.io`` back as a suspended call resumes (a watchdog's abort may hold it a
+    moment). An exception raised meanwhile by a signal handler (Ctrl-C) is raised once it is
+    held, not instead: the call's end releases it (it released a watchdog's hold, which then
+    raised from abort(), and ``held_async`` stayed set)."""
+    io, exc = ep.io, None
+    while True:
+        try:
+            io.acquire()
+            break
+        except BaseException as e:
+            exc = e
+            if io._is_owned():  # (raised just after it was taken)
+                break
+    ep.held_async = False
+    if exc is not None:
+        raise exc
 
 
 class ZmqEndpoint:
@@ -334,7 +351,7 @@ class ZmqEndpoint:
         self._poller.register(self.rx, zmq.POLLIN)
         self.bell = _Bell()
         self._poller.register(self.bell.fd, zmq.POLLIN)
-        self.io, self.held_async = threading.Lock(), False  # see Core._abort_suspended
+        self.io, self.held_async = threading.RLock(), False  # see Core._abort_suspended
         # (loop, wake) of an awaited wait in progress (see wake)
         self._aw: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
         self.turn = 0.0  # when an awaited wait last went through the event loop
@@ -1013,7 +1030,7 @@ class TcpEndpoint:
         self.spare_cpu = False
         self.bell = _Bell()
         self.ep.register(self.bell.fd, select.EPOLLIN)
-        self.io, self.held_async = threading.Lock(), False  # see Core._abort_suspended
+        self.io, self.held_async = threading.RLock(), False  # see Core._abort_suspended
         # the descriptors that are not connections: the listeners, and the bell
         self._lfds = (ls.fileno(), self.usock.fileno() if self.usock is not None else -2,
                       self.bell.fd)
@@ -1654,16 +1671,15 @@ class TcpEndpoint:
             # (one that fires sooner than this wait needs wakes it early: the call looks at
             # the time and waits again)
             self._timer = loop.call_at(at, self._on_timer, loop)
-        io = self.io  # (as _unheld does, written out: the wait of every call that sleeps)
+        # (as _unheld does, written out: the wait of every call that sleeps)
         self.held_async = True
-        io.release()
+        self.io.release()
         try:
             await fut
         finally:
-            io.acquire()
-            self.held_async = False
             self._waiter = None
             self.turn = time.monotonic()
+            _take_back(self)
 
     def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
         """The event loop saw this endpoint's epoll descriptor readable. With a call waiting,

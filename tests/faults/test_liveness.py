@@ -531,6 +531,221 @@ def test_a_watchdogs_abort_goes_out_while_the_awaited_calls_event_loop_is_stuck(
     assert name0 == "GroupBrokenError" and "watchdog: event loop stuck" in msg0, msg0
 
 
+class _Interrupted(BaseException):
+    """What a test's signal handler raises (as Ctrl-C's KeyboardInterrupt would)."""
+
+
+def abort_in_a_signal_handler_mid_read(rank, size, port):
+    """Rank 1 awaits recvs of 8 MB messages from rank 0 (TCP); a signal handler calls
+    abort() while the event loop's reader callback reads one, holding the sockets' lock."""
+    name = "sig-mid-read"
+    g = _group(rank, size, port, name=name, transport="tcp", liveness_timeout=None)
+    g.barrier()
+    if rank == 0:
+        big = b"x" * (8 << 20)
+        try:
+            for _ in range(400):
+                g.send(big, 1, timeout=30)
+            g.recv(1, timeout=30)
+            return "no error"
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__
+    hit = []
+
+    def handler(signum, frame):
+        f, names = frame, set()
+        while f is not None:
+            names.add(f.f_code.co_name)
+            f = f.f_back
+        if hit or "_on_readable" not in names:
+            return
+        hit.append(None)
+        t = time.monotonic()
+        g.abort("from a signal handler")
+        hit[0] = time.monotonic() - t
+
+    signal.signal(signal.SIGUSR1, handler)
+    done = threading.Event()
+
+    def pinger():
+        while not done.is_set() and not hit:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+            time.sleep(0.0005)
+
+    async def main():
+        threading.Thread(target=pinger, daemon=True).start()
+        try:
+            for _ in range(400):
+                await g.aio.recv(0, timeout=30)
+            return "no error"
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__
+        finally:
+            done.set()
+
+    err = asyncio.run(main())
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    return err, hit, g.broken
+
+
+def test_abort_in_a_signal_handler_while_the_loops_reader_callback_reads_is_at_once(store):
+    # (before: the handler's abort() waited for the lock its own thread held, in the reader
+    # callback it interrupted: the loop blocked 1 s, then the word went out anyway)
+    err0, (err1, hit, broken) = run_ranks(abort_in_a_signal_handler_mid_read, 2, store.port,
+                                          timeout=90)
+    assert hit and hit[0] is not None, "the handler never ran in the reader callback"
+    assert hit[0] < 0.5, f"abort() in the signal handler took {hit[0]:.2f} s"
+    assert err1 == "GroupBrokenError" and broken, err1
+    assert err0 in ("PeerLostError", "GroupBrokenError"), err0
+
+
+def interrupted_while_a_watchdog_sends(rank, size, port, transport):
+    """Rank 0's awaited recv is suspended, its loop stuck; a watchdog's abort() sends from its
+    thread, slowly (its send held 1 s: the window made wide); the loop runs again and the call,
+    resuming, waits for the sockets; a signal handler raises meanwhile (Ctrl-C)."""
+    name = f"sig-wd-{transport}"
+    g = _group(rank, size, port, name=name, transport=transport, liveness_timeout=None)
+    g.barrier()
+    if rank == 1:
+        try:
+            g.recv(0, timeout=30)
+            return "no error"
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__
+        finally:
+            g.store.wait([f"{name} done"], timeout=60)
+    ep = g._core.ep
+    real_send = ep.send
+
+    def slow_send(*a, **k):
+        if threading.current_thread().name == "watchdog":
+            time.sleep(1.0)
+        return real_send(*a, **k)
+
+    ep.send = slow_send
+    wd = {}
+
+    def watchdog():
+        time.sleep(0.3)
+        try:
+            g.abort("watchdog")
+            wd["abort"] = "returned"
+        except BaseException as e:
+            wd["abort"] = f"raised {type(e).__name__}: {e}"
+
+    def handler(signum, frame):
+        raise _Interrupted()
+
+    signal.signal(signal.SIGUSR1, handler)
+
+    def interrupt():
+        time.sleep(1.0)  # (the loop runs again at 0.8 s; the watchdog sends until 1.3 s)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    async def main():
+        call = asyncio.ensure_future(g.aio.recv(1, timeout=30))
+        await asyncio.sleep(0.05)
+        threading.Thread(target=watchdog, name="watchdog").start()
+        threading.Thread(target=interrupt).start()
+        time.sleep(0.8)  # noqa: ASYNC251  (the loop is stuck)
+        return await call
+
+    loop = asyncio.new_event_loop()
+    try:
+        got = loop.run_until_complete(main())
+    except BaseException as e:
+        got = type(e).__name__
+    finally:
+        try:
+            loop.run_until_complete(asyncio.sleep(0))  # (what the interrupt left, cancelled)
+        except BaseException:
+            pass
+    time.sleep(1.0)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    ep.send = real_send
+    out = got, wd.get("abort"), ep.io.acquire(False), ep.held_async
+    g.store.set(f"{name} done", b"1")
+    return out
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_an_interrupt_while_a_resumed_call_waits_for_a_watchdogs_send(store, transport):
+    # (before, zmq: the interrupted call released the lock the watchdog held: the watchdog's
+    # abort() raised "release unlocked lock", and held_async stayed set for good)
+    (got, abort, free, held_async), err1 = run_ranks(interrupted_while_a_watchdog_sends, 2,
+                                                     store.port, transport, timeout=90)
+    assert abort == "returned", abort
+    assert free and not held_async, (free, held_async)
+    assert got in ("_Interrupted", "GroupBrokenError"), got
+    assert err1 == "PeerLostError", err1
+
+
+def close_while_a_watchdog_sends(rank, size, port, transport):
+    """As above, but no interrupt: another thread closes the group while the watchdog's abort
+    is sending for the suspended call (the loop stuck). The close waits for the loop's
+    thread: the loop still watches the sockets it closes."""
+    name = f"close-wd-{transport}"
+    g = _group(rank, size, port, name=name, transport=transport, liveness_timeout=None)
+    g.barrier()
+    if rank == 1:
+        try:
+            g.recv(0, timeout=30)
+            return "no error"
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__
+        finally:
+            g.store.wait([f"{name} done"], timeout=60)
+    ep = g._core.ep
+    real_send, real_close = ep.send, ep.close
+    closed_by = []
+
+    def slow_send(*a, **k):
+        if threading.current_thread().name == "watchdog":
+            time.sleep(0.6)
+        return real_send(*a, **k)
+
+    def close(*a, **k):
+        closed_by.append(threading.current_thread().name)
+        return real_close(*a, **k)
+
+    ep.send, ep.close = slow_send, close
+    threads = [threading.Thread(target=lambda: (time.sleep(0.3), g.abort("watchdog")),
+                                name="watchdog"),
+               threading.Thread(target=lambda: (time.sleep(0.6), g.close()), name="closer")]
+
+    async def main():
+        call = asyncio.ensure_future(g.aio.recv(1, timeout=30))
+        await asyncio.sleep(0.05)
+        for t in threads:
+            t.start()
+        time.sleep(1.5)  # noqa: ASYNC251  (the loop is stuck)
+        try:
+            await call
+            return "no error"
+        except ctrlcomm.CtrlcommError as e:
+            return type(e).__name__
+
+    got = asyncio.run(main())
+    for t in threads:
+        t.join(10)
+    st = ctrlcomm.StoreClient("127.0.0.1", port, prefix=f"ctrlcomm/{name}/", timeout=30)
+    st.set(f"{name} done", b"1")
+    st.close()
+    return got, closed_by, g.closed
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_a_close_asked_while_a_watchdogs_abort_sends_is_done_by_the_loops_thread(store,
+                                                                                transport):
+    # (before: the watchdog's thread, sending the abort, ran the close queued meanwhile too,
+    # closing sockets the stuck loop still watched)
+    (got, closed_by, closed), err1 = run_ranks(close_while_a_watchdog_sends, 2, store.port,
+                                               transport, timeout=90)
+    assert closed_by == ["MainThread"], closed_by
+    assert closed and got in ("GroupBrokenError", "GroupClosedError"), got
+    assert err1 == "PeerLostError", err1
+
+
 def watchdog_task(rank, size, port, what, transport, op):
     """As watchdog, but the watchdog is another asyncio task of the waiting call's event loop
     (an engine's health check, say): the call must end then too, not at its next status
