@@ -1700,7 +1700,10 @@ class TcpEndpoint:
         if fut.done():
             return
         with self.io:  # (a watchdog's abort may be sending: see Core._abort_suspended)
-            self._read_for(fut)
+            # looked at again, held: a call of another loop sets them holding it (this
+            # loop's, left, would read for that call, and wake it from the wrong thread)
+            if loop is self._loop and fut is self._waiter:
+                self._read_for(fut)
 
     def _read_for(self, fut: asyncio.Future[None]) -> None:
         """(_on_readable's reading, holding ``io``.)"""
