@@ -993,11 +993,14 @@ class Group:
 
     @property
     def closed(self) -> bool:
+        """Whether the group was closed (``close()``, or leaving its ``with`` block)."""
         return self._core.state == "closed"
 
     @property
     def broken(self) -> bool:
-        return self._core.state == "broken"
+        """Whether the group broke (a failure, or ``abort()``: see the README's table): it
+        stays so once closed (``closed`` is then true too)."""
+        return self._core.cause is not None
 
     def stats(self) -> dict[str, Any]:
         """Counters: messages sent and received, and frames dropped by reason."""

@@ -1784,3 +1784,30 @@ def test_a_stale_address_table_times_out_as_a_timeout():
             assert not c.check([f + "rank/1"])
         finally:
             c.close()
+
+
+def broken_then_closed(g):
+    before = g.broken, g.closed
+    if g.rank == 0:
+        g.abort("on purpose")
+    try:
+        g.barrier(timeout=30)
+    except ctrlcomm.CtrlcommError:
+        pass
+    broken = g.broken, g.closed
+    g.close()
+    return before, broken, (g.broken, g.closed)
+
+
+def plain_close(g):
+    g.barrier()
+    g.close()
+    return g.broken, g.closed
+
+
+def test_a_broken_group_says_so_once_closed_too():
+    # (before: `broken` was the state's name, "closed" once closed: False again)
+    for r, (before, broken, after) in enumerate(run_group(broken_then_closed, 2)):
+        assert before == (False, False) and broken == (True, False) \
+            and after == (True, True), (r, before, broken, after)
+    assert run_group(plain_close, 2) == [(False, True)] * 2
