@@ -599,21 +599,30 @@ def test_abort_in_a_signal_handler_while_the_loops_reader_callback_reads_is_at_o
     assert err0 in ("PeerLostError", "GroupBrokenError"), err0
 
 
+def _pair_of_recv(rank, size, port, name, transport):
+    """The group of the tests below, formed: on rank 0, (group, None); rank 1 returns what
+    its recv from rank 0 raises, (None, that), staying until rank 0 is done."""
+    g = _group(rank, size, port, name=name, transport=transport, liveness_timeout=None)
+    g.barrier()
+    if rank == 0:
+        return g, None
+    try:
+        g.recv(0, timeout=30)
+        return None, "no error"
+    except ctrlcomm.CtrlcommError as e:
+        return None, type(e).__name__
+    finally:
+        g.store.wait([f"{name} done"], timeout=60)
+
+
 def interrupted_while_a_watchdog_sends(rank, size, port, transport):
     """Rank 0's awaited recv is suspended, its loop stuck; a watchdog's abort() sends from its
     thread, slowly (its send held 1 s: the window made wide); the loop runs again and the call,
     resuming, waits for the sockets; a signal handler raises meanwhile (Ctrl-C)."""
     name = f"sig-wd-{transport}"
-    g = _group(rank, size, port, name=name, transport=transport, liveness_timeout=None)
-    g.barrier()
-    if rank == 1:
-        try:
-            g.recv(0, timeout=30)
-            return "no error"
-        except ctrlcomm.CtrlcommError as e:
-            return type(e).__name__
-        finally:
-            g.store.wait([f"{name} done"], timeout=60)
+    g, rank1 = _pair_of_recv(rank, size, port, name, transport)
+    if g is None:
+        return rank1
     ep = g._core.ep
     real_send = ep.send
 
@@ -685,16 +694,9 @@ def close_while_a_watchdog_sends(rank, size, port, transport):
     is sending for the suspended call (the loop stuck). The close waits for the loop's
     thread: the loop still watches the sockets it closes."""
     name = f"close-wd-{transport}"
-    g = _group(rank, size, port, name=name, transport=transport, liveness_timeout=None)
-    g.barrier()
-    if rank == 1:
-        try:
-            g.recv(0, timeout=30)
-            return "no error"
-        except ctrlcomm.CtrlcommError as e:
-            return type(e).__name__
-        finally:
-            g.store.wait([f"{name} done"], timeout=60)
+    g, rank1 = _pair_of_recv(rank, size, port, name, transport)
+    if g is None:
+        return rank1
     ep = g._core.ep
     real_send, real_close = ep.send, ep.close
     closed_by = []
