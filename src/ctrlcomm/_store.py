@@ -52,8 +52,8 @@ class StoreState:
     def __init__(self) -> None:
         self.data: dict[bytes, bytes] = {}
         self.waiters: list[_Waiter] = []
-        # queues (queue_push/pop/len), by name, and the pops parked on each, in their order
-        # of arrival (a push answers the first); ``queued``: their items, all queues together
+        # queues (queue_push/pop/len), by name, and the pops parked on each (a push tells
+        # them all to pop again); ``queued``: their items, all queues together
         self.queues: dict[bytes, deque[bytes]] = {}
         self.poppers: dict[bytes, deque[_Waiter]] = {}
         self.queued = 0
@@ -183,21 +183,21 @@ class StoreState:
         if req.op == w.S_QUEUE_PUSH:
             if len(req.values) != 1:
                 raise _Refused("queue_push takes one value")
-            waiting = self.poppers.get(key)
-            if waiting:  # the first pop parked takes it (the queue is empty meanwhile)
-                wt = waiting.popleft()
-                if not waiting:
-                    del self.poppers[key]
-                return self._remember([(peer, w.StoreReply(w.R_OK, req.req_id)),
-                                       (wt.peer, w.StoreReply(w.R_OK, wt.req.req_id,
-                                                              (req.values[0],)))])
             if self.queued >= MAX_KEYS_STORED:
                 raise _Refused("store is full (queued items)")
             if q is None:
                 q = self.queues[key] = deque()
             q.append(req.values[0])
             self.queued += 1
-            return [(peer, w.StoreReply(w.R_OK, req.req_id))]
+            out = [(peer, w.StoreReply(w.R_OK, req.req_id))]
+            waiting = self.poppers.pop(key, None)
+            if waiting:
+                # every pop parked on it is told to look again (a reply without a value),
+                # and the value stays queued until a pop takes it: a value handed to a
+                # parked pop was lost where its client had gone, or given up (killed,
+                # interrupted, closed, past its deadline), as nothing acknowledges a reply
+                out += [(wt.peer, w.StoreReply(w.R_OK, wt.req.req_id)) for wt in waiting]
+            return self._remember(out)
         if q:  # a pop
             v = q.popleft()
             self.queued -= 1
@@ -589,19 +589,25 @@ class StoreClient:
     def queue_pop(self, key: str | bytes, block: bool = True, *,
                   timeout: float | None = None) -> bytes:
         """Take the first value of the queue ``key`` (TCPStore's). Where it is empty: with
-        ``block``, waits up to ``timeout`` for a push (each value goes to one pop only, the
-        first parked), then raises :class:`StoreTimeoutError`; without, raises
-        :class:`StoreQueueEmptyError` at once."""
+        ``block``, waits up to ``timeout`` for a push, then raises
+        :class:`StoreTimeoutError`; without, raises :class:`StoreQueueEmptyError` at once.
+        (Each value goes to one pop. A push wakes the pops that wait, which pop again: the
+        value stays queued until one takes it, never handed to a pop whose caller has gone
+        or given up.)"""
         t = self.timeout if timeout is None else _timeout(timeout, "queue_pop")
-        rep = self._call(w.S_QUEUE_POP, [self._k(key)], (), t + REPLY_SLACK_S,
-                         t if block else 0.0)
-        if rep.status == w.R_TIMEOUT:
-            if not block:
-                raise StoreQueueEmptyError(f"store at {self.host}:{self.port}: queue {key!r} "
-                                           "is empty")
-            raise StoreTimeoutError(f"store at {self.host}:{self.port}: queue_pop of {key!r} "
-                                    f"timed out after {t:g} s (nothing was pushed)")
-        return rep.values[0]
+        k, deadline = self._k(key), time.monotonic() + t
+        while True:
+            wait = max(deadline - time.monotonic(), 0.0) if block else 0.0
+            rep = self._call(w.S_QUEUE_POP, [k], (), wait + REPLY_SLACK_S, wait)
+            if rep.status == w.R_TIMEOUT:
+                if not block:
+                    raise StoreQueueEmptyError(f"store at {self.host}:{self.port}: queue "
+                                               f"{key!r} is empty")
+                raise StoreTimeoutError(f"store at {self.host}:{self.port}: queue_pop of "
+                                        f"{key!r} timed out after {t:g} s (nothing was pushed)")
+            if rep.values:
+                return rep.values[0]
+            # (woken by a push: another pop may have taken it first; looks again)
 
     def queue_len(self, key: str | bytes, *, timeout: float | None = None) -> int:
         """How many values the queue ``key`` holds (TCPStore's; 0 for one never pushed to)."""

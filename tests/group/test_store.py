@@ -119,8 +119,8 @@ def test_queues_push_pop_len_as_tcpstores(store):
     a.queue_push("jobs", "after")  # (the pop that timed out took nothing)
     assert a.queue_pop("jobs") == b"after" and b.queue_pop("jobs") == b"other"
 
-    # consumers parked in threads, each on its own connection: every value once, in order
-    # of the pops' arrival; a timed-out pop loses nothing
+    # consumers parked in threads, each on its own connection: every value once; a
+    # timed-out pop loses nothing
     got, clients = [], []
 
     def consume():
@@ -166,6 +166,79 @@ def test_queues_push_pop_len_as_tcpstores(store):
         with pytest.raises(empty):
             s.queue_pop("q", block=False)
     ours.close()
+
+
+def _parked_pops(store, n, deadline_s=10.0):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:  # (the server's thread changes its state meanwhile)
+            if store.state.n_poppers() >= n:
+                return True
+        except RuntimeError:
+            pass
+        time.sleep(0.01)
+    return False
+
+
+def test_a_value_pushed_while_a_pop_waits_whose_caller_is_gone_stays_queued(store):
+    """(Before: a push handed its value to the first pop parked, and it was lost where that
+    pop's caller had gone: TCPStore keeps it queued for the next pop.)"""
+    port = store.port
+    c = ctrlcomm.StoreClient("127.0.0.1", port, timeout=10, prefix="gone/")
+    # a process parked in a pop, killed
+    code = (f"import ctrlcomm; c = ctrlcomm.StoreClient('127.0.0.1', {port}, timeout=60, "
+            "prefix='gone/'); c.queue_pop('q')")
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        assert _parked_pops(store, 1, 30), "the child's pop never parked"
+    finally:
+        p.kill()
+        p.wait(10)
+    c.queue_push("q", "precious")
+    assert c.queue_len("q") == 1 and c.queue_pop("q", block=False) == b"precious"
+
+    # a pop whose client is closed from another thread while it waits
+    waiter = ctrlcomm.StoreClient("127.0.0.1", port, timeout=10, prefix="gone/")
+    raised = []
+
+    def pop():
+        try:
+            waiter.queue_pop("q", timeout=30)
+        except ctrlcomm.StoreError as e:
+            raised.append(e)
+
+    th = threading.Thread(target=pop)
+    th.start()
+    assert _parked_pops(store, 1)
+    waiter.close()
+    th.join(10)
+    assert raised and not th.is_alive(), raised
+    c.queue_push("q", "kept")
+    assert c.queue_len("q") == 1 and c.queue_pop("q") == b"kept"
+
+    # a pop that timed out on its client while the store still held it
+    late = ctrlcomm.StoreClient("127.0.0.1", port, timeout=10, prefix="gone/")
+    with pytest.raises(ctrlcomm.StoreTimeoutError):
+        late.queue_pop("q", timeout=0.2)
+    c.queue_push("q", "again")  # (the pop may still be parked at the store: it is woken)
+    assert late.queue_pop("q", timeout=5) == b"again" and c.queue_len("q") == 0
+
+    # two pops waiting, two pushes: each value to one of them, none left, none lost
+    got = []
+    clients = [ctrlcomm.StoreClient("127.0.0.1", port, timeout=10, prefix="gone/")
+               for _ in range(2)]
+    threads = [threading.Thread(target=lambda cl=cl: got.append(cl.queue_pop("w")))
+               for cl in clients]
+    for th in threads:
+        th.start()
+    assert _parked_pops(store, 2)
+    c.queue_push("w", "1")
+    c.queue_push("w", "2")
+    for th in threads:
+        th.join(10)
+    assert sorted(got) == [b"1", b"2"] and c.queue_len("w") == 0
+    for cl in (c, late, *clients):
+        cl.close()
 
 
 def test_num_keys_and_list_keys_answer_as_tcpstores(store):
