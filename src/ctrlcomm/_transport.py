@@ -779,6 +779,10 @@ class StoreServer:
                         body = frames[2:] if frames[1] == b"" else frames[1:]
                         try:
                             req = w.decode_store_request(body, self.key)
+                        except w.UnknownStoreOp as e:  # (a later version's call: refused)
+                            replies.append((peer, w.StoreReply(w.R_ERROR, e.req_id,
+                                                               (str(e).encode(),))))
+                            continue
                         except WireError:  # malformed or unauthenticated: never answered
                             self.dropped += 1
                             continue

@@ -470,6 +470,17 @@ def encode_store_request(req: StoreRequest, key: bytes | None = None) -> list[by
     return frames + [_store_mac(key, frames)] if key else frames
 
 
+class UnknownStoreOp(WireError):
+    """A well-formed (and, with a key, authentic) store request of an op this version does
+    not know: answered, with an error that says so (a client of a later version would
+    otherwise wait out its timeout, and blame the address or the key)."""
+
+    def __init__(self, op: int, req_id: int) -> None:
+        super().__init__(f"unknown store op {op} (a store of an earlier ctrlcomm version, "
+                         "which lacks this call?)")
+        self.op, self.req_id = op, req_id
+
+
 def decode_store_request(frames: Sequence[Any], key: bytes | None = None) -> StoreRequest:
     frames = _check_store_mac(frames, key)
     if not frames:
@@ -483,7 +494,7 @@ def decode_store_request(frames: Sequence[Any], key: bytes | None = None) -> Sto
     if magic != STORE_MAGIC or version != STORE_VERSION:
         raise WireError("bad store magic or version")
     if op not in STORE_OPS:
-        raise WireError(f"unknown store op {op}")
+        raise UnknownStoreOp(op, req_id)
     if not (timeout >= 0.0 and timeout < STORE_MAX_WAIT_S):  # also rejects NaN
         raise WireError(f"bad store timeout {timeout!r}")
     if nkeys > MAX_STORE_KEYS or len(frames) < 1 + nkeys:

@@ -841,3 +841,20 @@ def test_keys_set_through_the_store_right_after_formation_stay(size, api):
     for _ in range(3):
         assert run_ranks(keys_right_after_formation, size, free_port(), api, timeout=60) \
             == [[b"yes"] * size] * size
+
+
+def test_a_call_the_store_does_not_know_is_refused_at_once_not_left_to_time_out(store):
+    """A client of a later version calling an op this store lacks (the queue calls, against
+    a store of before them, say) hears so at once. (Before: the request was dropped as
+    malformed, and the call waited out its timeout, then blamed the address or the key.)"""
+    from ctrlcomm import _wire as w
+
+    unknown = max(w.STORE_OPS) + 1
+    c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=30)
+    t = time.monotonic()
+    with pytest.raises(ctrlcomm.StoreError, match=f"unknown store op {unknown}"):
+        c._call(unknown, [b"k"], (), 30.0)
+    assert time.monotonic() - t < 10.0
+    c.set("still", "works")
+    assert c.get("still") == b"works"
+    c.close()
