@@ -64,11 +64,14 @@ class StoreState:
         self.recent: dict[bytes, tuple[int, w.StoreReply | None]] = {}
 
     def _missing(self, keys: Iterable[bytes]) -> list[bytes]:
-        return [k for k in keys if k not in self.data]
+        # (a queue that holds values counts, as in TCPStore: its wait() and check() see it)
+        return [k for k in keys if k not in self.data and k not in self.queues]
 
     def _answer(self, peer: bytes, req: w.StoreRequest) -> tuple[bytes, w.StoreReply]:
         if req.op == w.S_GET:
-            return peer, w.StoreReply(w.R_OK, req.req_id, tuple(self.data[k] for k in req.keys))
+            # (b"" for a name that is a queue only, as TCPStore's get gives)
+            return peer, w.StoreReply(w.R_OK, req.req_id,
+                                      tuple(self.data.get(k, b"") for k in req.keys))
         return peer, w.StoreReply(w.R_OK, req.req_id)
 
     def handle(self, peer: bytes, req: w.StoreRequest, now: float) -> list[tuple[bytes, w.StoreReply]]:
@@ -124,7 +127,8 @@ class StoreState:
             return self._queue(peer, req, now)
         if op == w.S_CHECK:
             return [(peer, w.StoreReply(w.R_OK, req.req_id,
-                                        tuple(b"1" if k in self.data else b"0" for k in keys)))]
+                                        tuple(b"0" if self._missing((k,)) else b"1"
+                                              for k in keys)))]
         if op in (w.S_DELETE, w.S_DELETE_PREFIX):
             if op == w.S_DELETE:
                 gone = [k for k in keys if self.data.pop(k, None) is not None]
@@ -197,7 +201,7 @@ class StoreState:
                 # parked pop was lost where its client had gone, or given up (killed,
                 # interrupted, closed, past its deadline), as nothing acknowledges a reply
                 out += [(wt.peer, w.StoreReply(w.R_OK, wt.req.req_id)) for wt in waiting]
-            return self._remember(out)
+            return self._remember(out) + self._wake()  # (and a wait() for the queue's name)
         if q:  # a pop
             v = q.popleft()
             self.queued -= 1
@@ -583,7 +587,10 @@ class StoreClient:
     def queue_push(self, key: str | bytes, value: str | bytes, *,
                    timeout: float | None = None) -> None:
         """Append ``value`` to the queue ``key`` (TCPStore's). Queues are apart from the
-        keys: ``get``, ``check`` and ``num_keys`` do not see them."""
+        keys (a key and a queue may share a name; ``num_keys``, ``list_keys`` and
+        ``delete_key`` do not see queues), but, as in TCPStore, ``check`` and ``wait`` see
+        a queue that holds values, and ``get`` of a name that is only such a queue gives
+        ``b""``."""
         self._call(w.S_QUEUE_PUSH, [self._k(key)], [_b(value)], timeout)
 
     def queue_pop(self, key: str | bytes, block: bool = True, *,

@@ -108,7 +108,8 @@ def test_queues_push_pop_len_as_tcpstores(store):
     a.queue_push("jobs", b"\x00two")
     b.queue_push("jobs", "other")
     assert a.queue_len("jobs") == 2 and b.queue_len("jobs") == 1
-    assert a.num_keys() == keys and not a.check(["jobs"])  # (queues are not keys)
+    assert a.num_keys() == keys and "jobs" not in a.list_keys()  # (queues are not keys)
+    assert a.check(["jobs"]) and not b.check(["nothing"])  # (but seen, as by TCPStore's)
     assert a.queue_pop("jobs") == b"one" and a.queue_pop("jobs", False) == b"\x00two"
     with pytest.raises(ctrlcomm.StoreQueueEmptyError, match="queue 'jobs' is empty"):
         a.queue_pop("jobs", block=False)
@@ -157,11 +158,21 @@ def test_queues_push_pop_len_as_tcpstores(store):
     ours = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5, prefix="qt/")
     answers = []
     for s in (theirs, ours):
+        seen = [s.check(["q"])]
         s.queue_push("q", "x")
         s.queue_push("q", b"y")
+        s.wait(["q"], timedelta(seconds=5))  # (returns: the queue holds values)
+        seen += [s.check(["q"]), s.get("q")]
         answers.append((s.queue_len("q"), s.queue_pop("q"), s.queue_pop("q", block=False),
                         s.queue_len("q"), s.queue_len("never")))
-    assert answers[0] == answers[1] == (2, b"x", b"y", 0, 0)
+        s.set("kq", "v")  # (a key and a queue of one name: apart)
+        s.queue_push("kq", "w")
+        seen += [s.check(["q"]), s.get("kq"), s.queue_pop("kq"), s.get("kq"),
+                 s.delete_key("kq"), s.check(["kq"])]
+        answers.append(seen)
+    assert answers[0] == answers[2] == (2, b"x", b"y", 0, 0)
+    assert answers[1] == answers[3] == [False, True, b"", False, b"v", b"w", b"v", True,
+                                        False], answers
     for s, empty in ((theirs, dist.QueueEmptyError), (ours, ctrlcomm.StoreQueueEmptyError)):
         with pytest.raises(empty):
             s.queue_pop("q", block=False)

@@ -131,3 +131,15 @@ def test_a_resent_request_is_answered_again_never_applied_twice():
     assert len(s.waiters) == 1
     s.handle(b"q", req(w.S_SET, [b"later"], [b"v"]), 1)
     assert s.handle(b"p", wait, 1) == [(b"p", w.StoreReply(w.R_OK, 6, (b"v",)))]
+
+
+def test_check_and_a_parked_wait_see_a_queue_that_holds_values_as_tcpstores_do():
+    s = StoreState()
+    assert s.handle(b"a", req(w.S_WAIT, [b"q"], timeout=5, rid=1), 0.0) == []
+    assert s.handle(b"c", req(w.S_CHECK, [b"q"], rid=2), 0.0)[0][1].values == (b"0",)
+    out = s.handle(b"p", req(w.S_QUEUE_PUSH, [b"q"], [b"v"], rid=3), 1.0)
+    assert (b"a", w.StoreReply(w.R_OK, 1)) in out and s.waiters == []
+    assert s.handle(b"c", req(w.S_CHECK, [b"q"], rid=4), 1.0)[0][1].values == (b"1",)
+    assert s.handle(b"c", req(w.S_GET, [b"q"], rid=5), 1.0)[0][1].values == (b"",)
+    s.handle(b"c", req(w.S_QUEUE_POP, [b"q"], rid=6), 1.0)
+    assert s.handle(b"c", req(w.S_CHECK, [b"q"], rid=7), 1.0)[0][1].values == (b"0",)
