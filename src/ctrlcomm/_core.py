@@ -255,7 +255,7 @@ class Core:
         self.last: tuple[str, int | None] = ("nothing yet", None)
         self._lock = threading.Lock()
         self._owner = ""
-        self._holder = 0  # the thread that last took the lock
+        self._holder = 0  # the thread whose call last took the lock (0: close or abort did)
         # what close() and abort() asked for while a call held the group ("close", "") or
         # ("abort", reason): the sockets are used by the thread holding the group only, so
         # that thread does it, woken at once (see _defer)
@@ -1378,6 +1378,9 @@ class Core:
         has changed already: a call that starts meanwhile raises.)"""
         self._deferred.append((what, reason))
         if self._lock.acquire(False):
+            # (held by no call: one asked meanwhile in this thread, from a signal handler,
+            # waits for this one, run by the loop below, not inside it)
+            self._holder = 0
             try:
                 self._run_deferred()
             finally:
@@ -1439,6 +1442,7 @@ class Core:
         # (the loop: what is asked while this runs is run too, or by whoever holds the
         # lock when it is asked)
         while self._deferred and self._lock.acquire(False):
+            self._holder = 0  # (as in _defer)
             try:
                 self._run_deferred()
             finally:

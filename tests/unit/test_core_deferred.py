@@ -1,0 +1,57 @@
+"""close() and abort() asked while the group's own thread is carrying out another: they run
+one after the other, never one inside the other.
+
+The core runs against an in-memory endpoint that records what is sent: this tests the
+order of the core's steps, not communication (tests/faults does that with real ranks)."""
+
+import threading
+
+from ctrlcomm import _wire as w
+from ctrlcomm._core import Core
+
+
+class RecordingEndpoint:
+    STREAM = True
+    key = None
+
+    def __init__(self, during_first_send):
+        self.io, self.held_async = threading.RLock(), False
+        self.closed = False
+        self.unflushed = set()
+        self.log = []
+        self.during_first_send = during_first_send
+
+    def send(self, dst, frames):
+        if self.closed:
+            raise OSError("closed")
+        self.log.append((w.decode(frames).kind, dst))
+        hook, self.during_first_send = self.during_first_send, None
+        if hook is not None:
+            hook()  # (a signal handler, run in the middle of the send)
+
+    def push(self, budget_s):
+        pass
+
+    def wake(self):
+        pass
+
+    def close(self, gone=()):
+        self.log.append(("closed", None))
+        self.closed = True
+
+
+def test_a_close_asked_while_this_thread_sends_an_abort_of_an_idle_group_waits_for_it():
+    # (before: the close ran inside the abort's sending, in a signal handler say: it closed
+    # the sockets there, and the abort never reached the peers it had not reached yet)
+    core = None
+
+    def close():
+        core.close()
+
+    ep = RecordingEndpoint(close)
+    core = Core(name="g", rank=0, size=3, group_id=7, endpoint=ep, codec=w.PICKLE, key=None,
+                timeout=5.0)
+    core.enter("recv")  # (a call made and ended in this thread before: it held the group)
+    core.leave()
+    core.abort("watchdog")
+    assert ep.log == [(w.ABORT, 1), (w.ABORT, 2), (w.BYE, 1), (w.BYE, 2), ("closed", None)]
