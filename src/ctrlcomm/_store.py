@@ -32,7 +32,7 @@ from ._errors import (
 
 # Limits that keep a misbehaving client from growing the server without bound.
 MAX_KEY = 4096
-MAX_VALUE = 16 * 1024 * 1024
+MAX_VALUE = w.STORE_MAX_VALUE
 MAX_KEYS_STORED = 1_000_000
 MAX_WAITERS = 100_000
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -414,6 +414,11 @@ class StoreClient:
     def _call(self, op: int, keys: Sequence[bytes], values: Sequence[bytes] = (),
               timeout: float | None = None, wait: float = 0.0) -> w.StoreReply:
         t = self.timeout if timeout is None else _timeout(timeout, w.STORE_OP_NAME.get(op, "call"))
+        for v in values:
+            if len(v) > MAX_VALUE:  # (the store's socket would drop the connection)
+                raise InvalidArgumentError(
+                    f"store: a value of {len(v)} bytes for {w.STORE_OP_NAME.get(op, 'a call')}"
+                    f" is over the store's limit of {MAX_VALUE} bytes")
         # (a wait beyond the wire's limit, decades, would be dropped as malformed)
         wait = min(wait, w.STORE_MAX_WAIT_S / 2)
         with self._lock:

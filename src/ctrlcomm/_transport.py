@@ -711,6 +711,7 @@ class StoreServer:
             assert self.key
             _curve_server(self.sock, store_curve_keys(self.key)[1])
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, w.STORE_MAX_FRAME)  # (see there)
         if listen_socket is not None:
             # serve from a socket the caller already bound (and so reserved) at host:port;
             # ZeroMQ closes what it is given, so it gets its own copy of the descriptor

@@ -429,6 +429,11 @@ R_ERROR = 2  # values[0] is a message
 R_CAS_FAIL = 3  # values[0] is the current value (or absent)
 
 MAX_STORE_KEYS = 65536
+# the longest value the store keeps; a store's socket takes no frame longer than this and a
+# key (a frame declared longer ends the connection at once: nobody without the key makes
+# the store buffer gigabytes toward a message it would drop)
+STORE_MAX_VALUE = 16 * 1024 * 1024
+STORE_MAX_FRAME = STORE_MAX_VALUE + 65536
 
 
 @dataclass(frozen=True, slots=True)

@@ -621,3 +621,46 @@ def speaks_for_another_rank(g):
 def test_a_rank_cannot_speak_for_another_on_its_connection(key):
     res = run_group(speaks_for_another_rank, 3, group_kwargs={"auth_key": key})
     assert res[0] == ["rank 2's own", "rank 1's own", "nothing more", 1, 3], res[0]
+
+
+def _zmtp_null_connect(port):
+    """A raw ZeroMQ (ZMTP 3.0, NULL mechanism) peer, as anyone on the network can be: a
+    DEALER that has said hello, with plain socket calls (so that a frame can be left open)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00")
+              + b"\x00" * 32)
+    got = b""
+    while len(got) < 64:
+        chunk = s.recv(64 - len(got))
+        assert chunk, "closed during the greeting"
+        got += chunk
+    name, kind = b"Socket-Type", b"DEALER"
+    body = b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(kind)) + kind
+    s.sendall(b"\x04" + bytes([len(body)]) + body)
+    return s
+
+
+def test_a_store_drops_a_connection_that_declares_a_frame_longer_than_a_request_takes():
+    """(Before: the store's socket took frames of any length: one connection without the key
+    sending a frame declared 8 GiB made the store's process buffer all it sent, 1 GiB in
+    the reviewer's run, toward a request it would drop.) A value over the limit is refused
+    by the client before it is sent."""
+    with ctrlcomm.StoreServer("127.0.0.1", 0, auth_key=KEY) as srv:
+        s = _zmtp_null_connect(srv.port)
+        s.sendall(b"\x03" + struct.pack(">Q", 8 << 30))  # (MORE, LONG: 8 GiB follow)
+        closed, chunk = False, b"\x00" * (1 << 16)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not closed:
+            try:
+                s.sendall(chunk)
+            except OSError:  # (reset or broken pipe: dropped)
+                closed = True
+        s.close()
+        assert closed, "the store kept taking the frame"
+        c = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key=KEY, timeout=10)
+        c.set("k", b"v" * (16 << 20))  # (the longest value still goes)
+        assert len(c.get("k")) == 16 << 20
+        with pytest.raises(ctrlcomm.InvalidArgumentError, match="over the store's limit"):
+            c.set("k2", b"v" * ((16 << 20) + 1))
+        assert not c.check(["k2"])
+        c.close()
