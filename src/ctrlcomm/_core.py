@@ -85,6 +85,7 @@ LOOK_S = 0.1
 # thread's loop (Core._abort_suspended: the call's thread holds them while it runs a step)
 ABORT_TAKE_S = 0.1
 IO_TAKE_S = 1.0  # how long a call waits for those sockets at most (see run_async)
+IO_LOOK_S = 0.001  # meanwhile, how often it looks whether another thread's call holds the group
 # An abort (abort(), a cancelled or interrupted call, a lost peer or mismatch told) waits this
 # long at most for connections still being made, so that its word goes out on them (a rank
 # that makes no call after it would never send it)
@@ -1540,6 +1541,20 @@ def run_sync(core: Core, gen: Wait) -> Any:
         return e.value
 
 
+def _take_io(core: Core, io: Any) -> bool:
+    """(run_async, finding ``io`` held.) Whether it is taken: waited for while the group is
+    free (the holder, another thread's call, is about to take it, or has just left it; or a
+    copy held at a fork: up to IO_TAKE_S), looking every IO_LOOK_S; not once the group is
+    held (a call of another thread has it: refused, without blocking this loop longer)."""
+    end = _monotonic() + IO_TAKE_S
+    while not core._lock.locked():
+        if io.acquire(timeout=IO_LOOK_S):
+            return True
+        if _monotonic() >= end:
+            return False
+    return False
+
+
 async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
     """Asyncio driver: as :func:`run_sync`, but waits through the event loop.
 
@@ -1574,7 +1589,7 @@ async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
     # (ep.io: held while the call runs, released while it is suspended in a wait: see
     # Core._abort_suspended)
     io = ep.io
-    if not io.acquire(False) and (core._lock.locked() or not io.acquire(timeout=IO_TAKE_S)):
+    if not io.acquire(False) and not _take_io(core, io):
         # held by another thread's call (an awaited one mid-step, a long reduction callable
         # say, or a watchdog's abort for one suspended), which holds the group too: refused
         # at once, as the group would refuse it, without blocking this loop; or held past

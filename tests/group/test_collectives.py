@@ -498,6 +498,64 @@ def test_an_awaited_call_of_another_thread_mid_step_is_refused_not_waited_for():
         assert name == "ConcurrentUseError" and took < 0.9, got  # (at once: 3.5 s before)
 
 
+def awaited_call_as_another_thread_takes_the_sockets(g):
+    """Another thread's call has taken the group's sockets (``io``), not yet the group (the
+    moment between the two, held open here for 0.2 s, then the group held for 2 s): an
+    awaited call started then is refused once the group is taken, its loop not blocked for
+    the sockets' whole wait (1 s) while a ticker waits."""
+    import threading
+
+    core = g._core
+    io = core.ep.io
+    taken = threading.Event()
+
+    def other_call():
+        with io:
+            taken.set()
+            time.sleep(0.2)
+            core.enter("all_reduce")  # (as a call does, after taking the sockets)
+            try:
+                time.sleep(2.0)
+            finally:
+                core.leave()
+
+    th = threading.Thread(target=other_call)
+    th.start()
+    taken.wait(10)
+
+    async def main():
+        ticks = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        tk = asyncio.create_task(ticker())
+        await asyncio.sleep(0.02)
+        t = time.monotonic()
+        try:
+            await g.aio.barrier(timeout=5)
+            out = "returned"
+        except ctrlcomm.ConcurrentUseError:
+            out = "ConcurrentUseError"
+        took = time.monotonic() - t
+        await asyncio.sleep(0.05)  # (a tick after the call: the gap it left shows)
+        tk.cancel()
+        gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
+        return out, took, max(gaps, default=0.0)
+
+    out = asyncio.run(main())
+    th.join(10)
+    return out
+
+
+def test_an_awaited_call_as_another_thread_takes_the_sockets_is_refused_soon():
+    # (before: it waited for the sockets up to 1 s, its loop blocked, then was refused)
+    [(out, took, gap)] = run_group(awaited_call_as_another_thread_takes_the_sockets, 1)
+    assert out == "ConcurrentUseError" and took < 0.7 and gap < 0.7, (out, took, gap)
+
+
 def closed_as_a_wait_begins(g, what):
     """close() or abort() from another thread lands just as an awaited wait begins (after
     the call's last look, before the wait is registered: injected here): the wait ends at
