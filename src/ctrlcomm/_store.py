@@ -414,11 +414,12 @@ class StoreClient:
     def _call(self, op: int, keys: Sequence[bytes], values: Sequence[bytes] = (),
               timeout: float | None = None, wait: float = 0.0) -> w.StoreReply:
         t = self.timeout if timeout is None else _timeout(timeout, w.STORE_OP_NAME.get(op, "call"))
-        for v in values:
-            if len(v) > MAX_VALUE:  # (the store's socket would drop the connection)
-                raise InvalidArgumentError(
-                    f"store: a value of {len(v)} bytes for {w.STORE_OP_NAME.get(op, 'a call')}"
-                    f" is over the store's limit of {MAX_VALUE} bytes")
+        # (over the limits the store's socket would drop the connection: said here, at once)
+        for what, parts, most in (("key", keys, MAX_KEY), ("value", values, MAX_VALUE)):
+            for v in parts:
+                if len(v) > most:
+                    raise InvalidArgumentError(f"store: a {what} of {len(v)} bytes is over "
+                                               f"the store's limit of {most} bytes")
         # (a wait beyond the wire's limit, decades, would be dropped as malformed)
         wait = min(wait, w.STORE_MAX_WAIT_S / 2)
         with self._lock:

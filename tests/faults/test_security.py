@@ -663,4 +663,8 @@ def test_a_store_drops_a_connection_that_declares_a_frame_longer_than_a_request_
         with pytest.raises(ctrlcomm.InvalidArgumentError, match="over the store's limit"):
             c.set("k2", b"v" * ((16 << 20) + 1))
         assert not c.check(["k2"])
+        with pytest.raises(ctrlcomm.InvalidArgumentError, match="a key of 4097 bytes"):
+            c.set("k" * 4097, "v")  # (one of 17 MiB waited out its timeout, then blamed
+        with pytest.raises(ctrlcomm.InvalidArgumentError, match="a value of"):  # the key)
+            c.append("k", "v")  # (a value grown past the limit: said without naming an op)
         c.close()
