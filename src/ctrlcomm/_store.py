@@ -52,10 +52,9 @@ class StoreState:
     def __init__(self) -> None:
         self.data: dict[bytes, bytes] = {}
         self.waiters: list[_Waiter] = []
-        # queues (queue_push/pop/len), by name, and the pops parked on each (a push tells
-        # them all to pop again); ``queued``: their items, all queues together
+        # queues (queue_push/pop/len), by name; ``queued``: their items, all queues together
+        # (a pop of an empty one waits among ``waiters``: a push tells them all to pop again)
         self.queues: dict[bytes, deque[bytes]] = {}
-        self.poppers: dict[bytes, deque[_Waiter]] = {}
         self.queued = 0
         self.requests = 0
         # Clients resend a request they got no answer to (same id). The last request of each
@@ -66,6 +65,24 @@ class StoreState:
     def _missing(self, keys: Iterable[bytes]) -> list[bytes]:
         # (a queue that holds values counts, as in TCPStore: its wait() and check() see it)
         return [k for k in keys if k not in self.data and k not in self.queues]
+
+    def _waited(self, req: w.StoreRequest) -> list[bytes]:
+        """What a waiting request still waits for: a pop, its queue to hold a value (a key of
+        that name does not count); a get or wait, its keys."""
+        if req.op == w.S_QUEUE_POP:
+            return [] if req.keys[0] in self.queues else list(req.keys)
+        return self._missing(req.keys)
+
+    def _park(self, peer: bytes, req: w.StoreRequest, now: float
+              ) -> list[tuple[bytes, w.StoreReply]]:
+        """A request that waits for what is not there yet: answered at once without a
+        timeout, else when it comes (:meth:`_wake`) or at its deadline (:meth:`expire`)."""
+        if req.timeout <= 0:
+            return [(peer, w.StoreReply(w.R_TIMEOUT, req.req_id, tuple(self._waited(req))))]
+        if len(self.waiters) >= MAX_WAITERS:
+            raise _Refused("too many waiting requests")
+        self.waiters.append(_Waiter(peer, req, now + req.timeout))
+        return []
 
     def _answer(self, peer: bytes, req: w.StoreRequest) -> tuple[bytes, w.StoreReply]:
         if req.op == w.S_GET:
@@ -117,12 +134,7 @@ class StoreState:
         if op in (w.S_GET, w.S_WAIT):
             if not self._missing(keys):
                 return [self._answer(peer, req)]
-            if req.timeout <= 0:
-                return [(peer, w.StoreReply(w.R_TIMEOUT, req.req_id, tuple(self._missing(keys))))]
-            if len(self.waiters) >= MAX_WAITERS:
-                raise _Refused("too many waiting requests")
-            self.waiters.append(_Waiter(peer, req, now + req.timeout))
-            return []
+            return self._park(peer, req, now)
         if op in (w.S_QUEUE_PUSH, w.S_QUEUE_POP, w.S_QUEUE_LEN):
             return self._queue(peer, req, now)
         if op == w.S_CHECK:
@@ -193,30 +205,23 @@ class StoreState:
                 q = self.queues[key] = deque()
             q.append(req.values[0])
             self.queued += 1
-            out = [(peer, w.StoreReply(w.R_OK, req.req_id))]
-            waiting = self.poppers.pop(key, None)
-            if waiting:
-                # every pop parked on it is told to look again (a reply without a value),
-                # and the value stays queued until a pop takes it: a value handed to a
-                # parked pop was lost where its client had gone, or given up (killed,
-                # interrupted, closed, past its deadline), as nothing acknowledges a reply
-                out += [(wt.peer, w.StoreReply(w.R_OK, wt.req.req_id)) for wt in waiting]
-            return self._remember(out) + self._wake()  # (and a wait() for the queue's name)
+            # every pop parked on it is told to look again (_wake: a reply without a value),
+            # and the value stays queued until a pop takes it: a value handed to a parked
+            # pop was lost where its client had gone, or given up (killed, interrupted,
+            # closed, past its deadline), as nothing acknowledges a reply; a wait() for the
+            # queue's name is answered too
+            return [(peer, w.StoreReply(w.R_OK, req.req_id))] + self._wake()
         if q:  # a pop
             v = q.popleft()
             self.queued -= 1
             if not q:
                 del self.queues[key]
             return [(peer, w.StoreReply(w.R_OK, req.req_id, (v,)))]
-        if req.timeout <= 0:
-            return [(peer, w.StoreReply(w.R_TIMEOUT, req.req_id, (key,)))]
-        if len(self.waiters) + self.n_poppers() >= MAX_WAITERS:
-            raise _Refused("too many waiting requests")
-        self.poppers.setdefault(key, deque()).append(_Waiter(peer, req, now + req.timeout))
-        return []
+        return self._park(peer, req, now)
 
     def n_poppers(self) -> int:
-        return sum(map(len, self.poppers.values()))
+        """How many pops wait (for the tests)."""
+        return sum(wt.req.op == w.S_QUEUE_POP for wt in self.waiters)
 
     def _put(self, key: bytes, value: bytes) -> None:
         if key not in self.data and len(self.data) >= MAX_KEYS_STORED:
@@ -226,7 +231,7 @@ class StoreState:
     def _wake(self) -> list[tuple[bytes, w.StoreReply]]:
         out, keep = [], []
         for wt in self.waiters:
-            if self._missing(wt.req.keys):
+            if self._waited(wt.req):
                 keep.append(wt)
             else:
                 out.append(self._answer(wt.peer, wt.req))
@@ -238,32 +243,17 @@ class StoreState:
         for wt in self.waiters:
             if wt.deadline <= now:
                 out.append((wt.peer, w.StoreReply(w.R_TIMEOUT, wt.req.req_id,
-                                                  tuple(self._missing(wt.req.keys)))))
+                                                  tuple(self._waited(wt.req)))))
             else:
                 keep.append(wt)
         self.waiters = keep
-        for key, waiting in list(self.poppers.items()):
-            if any(wt.deadline <= now for wt in waiting):
-                out += [(wt.peer, w.StoreReply(w.R_TIMEOUT, wt.req.req_id, (key,)))
-                        for wt in waiting if wt.deadline <= now]
-                self._set_poppers(key, [wt for wt in waiting if wt.deadline > now])
         return self._remember(out)
 
-    def _set_poppers(self, key: bytes, waiting: list[_Waiter]) -> None:
-        if waiting:
-            self.poppers[key] = deque(waiting)
-        else:
-            self.poppers.pop(key, None)
-
     def next_deadline(self) -> float | None:
-        return min((wt.deadline for wt in itertools.chain(self.waiters,
-                                                          *self.poppers.values())),
-                   default=None)
+        return min((wt.deadline for wt in self.waiters), default=None)
 
     def forget_peer(self, peer: bytes) -> None:
         self.waiters = [wt for wt in self.waiters if wt.peer != peer]
-        for key, waiting in list(self.poppers.items()):
-            self._set_poppers(key, [wt for wt in waiting if wt.peer != peer])
 
 
 class _Refused(Exception):

@@ -413,7 +413,8 @@ S_NUM_KEYS = 10  # no keys; reply [count as ascii]
 S_LIST_KEYS = 11  # keys=[prefix]; reply [each key held that starts with it: u32 length, bytes]
 # queues (TCPStore's queue_*), apart from the keys: a key and a queue of one name are two things
 S_QUEUE_PUSH = 12  # keys=[k], values=[v]: appended to queue k
-S_QUEUE_POP = 13  # keys=[k]; waits up to timeout for an item; reply [the first]
+S_QUEUE_POP = 13  # keys=[k]; reply [the first item]; or, waiting up to timeout, [] once one
+#                   is pushed (the client pops again: the item is never handed to a waiter)
 S_QUEUE_LEN = 14  # keys=[k]; reply [count as ascii]
 STORE_OP_NAME = {S_SET: "set", S_GET: "get", S_ADD: "add", S_CAS: "compare_set",
                  S_DELETE: "delete", S_WAIT: "wait", S_DELETE_PREFIX: "delete_prefix",

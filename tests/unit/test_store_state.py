@@ -59,7 +59,7 @@ def test_a_push_wakes_every_parked_pop_and_stays_queued_until_one_pops_it():
     out = s.handle(b"p", req(w.S_QUEUE_PUSH, [b"q"], [b"v1"], rid=4), 1.0)
     assert sorted(out) == sorted([(b"p", w.StoreReply(w.R_OK, 4)), (b"a", w.StoreReply(w.R_OK, 1)),
                                   (b"b", w.StoreReply(w.R_OK, 2))])  # (woken: no value)
-    assert s.poppers == {} and s.queued == 1 and s.next_deadline() is None
+    assert s.n_poppers() == 0 and s.queued == 1 and s.next_deadline() is None
     # a wake-up resent (its reply lost) is answered again, and takes nothing
     assert s.handle(b"b", req(w.S_QUEUE_POP, [b"q"], timeout=2, rid=2), 1.5) == \
         [(b"b", w.StoreReply(w.R_OK, 2))] and s.queued == 1
@@ -69,7 +69,7 @@ def test_a_push_wakes_every_parked_pop_and_stays_queued_until_one_pops_it():
     assert s.handle(b"a", req(w.S_QUEUE_POP, [b"q"], timeout=1, rid=6), 1.5) == []
     assert s.expire(2.4) == []
     assert s.expire(2.5) == [(b"a", w.StoreReply(w.R_TIMEOUT, 6, (b"q",)))]
-    assert s.poppers == {} and s.queued == 0
+    assert s.n_poppers() == 0 and s.queued == 0
     # a pop parked by a client that then went: a push stays queued, for someone else
     assert s.handle(b"c", req(w.S_QUEUE_POP, [b"q"], timeout=9, rid=7), 3.0) == []
     s.handle(b"p", req(w.S_QUEUE_PUSH, [b"q"], [b"v2"], rid=8), 3.0)
