@@ -278,12 +278,18 @@ async def _unheld(ep: Any, aw: Awaitable[Any]) -> None:
     set meanwhile: the call is suspended, its event loop's thread free to stay away (a
     watchdog's abort() sends from its own thread then: see Core._abort_suspended). Taken
     back as the call resumes, cancelled too."""
-    ep.held_async = True
-    ep.io.release()
+    _let_go(ep)
     try:
         await aw
     finally:
         _take_back(ep)
+
+
+def _let_go(ep: Any) -> None:
+    """Release ``ep.io`` as an awaited call is suspended (``held_async`` set): see
+    :func:`_unheld`, and :func:`_take_back` as it resumes."""
+    ep.held_async = True
+    ep.io.release()
 
 
 def _take_back(ep: Any) -> None:
@@ -1676,9 +1682,7 @@ class TcpEndpoint:
             # (one that fires sooner than this wait needs wakes it early: the call looks at
             # the time and waits again)
             self._timer = loop.call_at(at, self._on_timer, loop)
-        # (as _unheld does, written out: the wait of every call that sleeps)
-        self.held_async = True
-        self.io.release()
+        _let_go(self)  # (as _unheld does, without a coroutine: the wait of every call that sleeps)
         try:
             await fut
         finally:
