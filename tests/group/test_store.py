@@ -132,14 +132,7 @@ def test_queues_push_pop_len_as_tcpstores(store):
     threads = [threading.Thread(target=consume) for _ in range(3)]
     for th in threads:
         th.start()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:  # (the server's thread changes its state meanwhile)
-            if store.state.n_poppers() == 3:
-                break
-        except RuntimeError:
-            pass
-        time.sleep(0.01)
+    _parked_pops(store, 3, 5.0)
     for i in range(4):
         a.queue_push("work", f"w{i}")
     for th in threads:
