@@ -1811,3 +1811,31 @@ def test_a_broken_group_says_so_once_closed_too():
         assert before == (False, False) and broken == (True, False) \
             and after == (True, True), (r, before, broken, after)
     assert run_group(plain_close, 2) == [(False, True)] * 2
+
+
+def all_reduce_while_a_rank_aborts(g, mode):
+    if g.rank == 2:
+        time.sleep(0.5)  # (ranks 0 and 1 wait in the all_reduce by then)
+        g.abort("watchdog: step hung")
+        return None
+    try:
+        if mode == "blocking":
+            g.all_reduce(1, timeout=30)
+        else:
+            asyncio.run(g.aio.all_reduce(1, timeout=30))
+    except ctrlcomm.CtrlcommError as e:
+        return type(e).__name__, getattr(e, "ranks", None), str(e)
+    return "returned"
+
+
+@pytest.mark.parametrize("mode", ["blocking", "awaited"])
+def test_a_collective_a_peer_aborts_names_itself(mode):
+    # (found in review: the error of a call in progress as a peer's word of its abort came
+    # said only "group 'g': rank 2 aborted the group: ...", without the op, where every other
+    # way of losing a peer says which call could not complete)
+    got = run_group(all_reduce_while_a_rank_aborts, 3, mode)
+    for r in (0, 1):
+        kind, ranks, text = got[r]
+        assert kind == "PeerLostError" and ranks == [2], got
+        assert re.search(f"all_reduce #0 on group '.*' cannot complete on rank {r}: ", text) \
+            and "rank 2 aborted the group: watchdog: step hung" in text, text
