@@ -1267,6 +1267,14 @@ class Core:
         """Raise PeerLostError if the connection to one of ``dsts`` is lost (the rank is gone,
         or the stream this rank sends it failed): a message to it would be dropped unsaid."""
         lost = [d for d in dsts if d in self.gone or d in self.suspects]
+        if any(d not in self.gone for d in lost):
+            # a stream that failed as this rank sent on it: the peer's goodbye or abort,
+            # which says why better than the failure, is most likely in already (sent
+            # before it closed); read, it makes the rank gone with its word (a send-only
+            # step would raise before any wait read it: a broadcast's root said that a rank
+            # which had aborted "died")
+            self.pump()
+            lost = [d for d in dsts if d in self.gone or d in self.suspects]
         if lost:
             raise PeerLostError(
                 f"{name} on group {self.name!r}: " + "; ".join(
