@@ -615,18 +615,22 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
         with StoreServer("127.0.0.1", 0, auth_key=env_key()) as srv:
             c = dict(ncfg, host="127.0.0.1", port=srv.port, host_store=False,
                      tag=f"{system}{n}")
-            ok = False
+            ok, interrupted = False, True
             try:
                 per_rank = run_ranks(_bench_child, n, system, c, q, ignore_sigint=True,
                                      timeout=ncfg.get("timeout", 900), fail_fast=True)
-                ok = True
+                ok, interrupted = True, False
+            except Exception:
+                interrupted = False
+                raise
             finally:
                 stop.set()
                 th.join()
                 # the ops this system does not offer (gloo: all_to_all; star: all but a
                 # small all_reduce), progress reports still queued, and what a failed run
-                # left undone: the bar ends full
-                for _ in range(len(plan) - stepped[0]):
+                # left undone: the bar ends full (not where Ctrl-C or a signal ended the
+                # bench: nothing more was done, nor did it fail)
+                for _ in range(0 if interrupted else len(plan) - stepped[0]):
                     bar.step(f"{system} N={n} {'done' if ok else 'failed'}")
             return per_rank
 

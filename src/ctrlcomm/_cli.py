@@ -313,8 +313,12 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"--json {args.json}: {e}", file=sys.stderr)
             code = 1
     if args.plot:
-        b.plot(args.plot, rows)
-        wrote.append(args.plot)
+        try:
+            b.plot(args.plot, rows)
+            wrote.append(args.plot)
+        except OSError as e:  # (a full disk: the table is still worth printing)
+            print(f"--plot {args.plot}: {e}", file=sys.stderr)
+            code = 1
     ran_on = b.describe_host(cfg)
     _say(b.table(rows, shown), *([ran_on] if ran_on else []), *(f"wrote {f}" for f in wrote))
     if failed:

@@ -778,6 +778,9 @@ def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
             assert p.returncode == 143 and "terminated" in err, (p.returncode, err)
         if sig == "SIGHUP":  # (its terminal or ssh session closed: it died of it before)
             assert p.returncode == 129 and "hung up" in err, (p.returncode, err)
+        if sig != "SIGKILL":
+            # (the progress bar said "1/1 done (last: ctrlcomm N=3 failed)" as it ended)
+            assert "done" not in err and "failed" not in err, err
         assert not _still_alive_after(ranks, 10)
     finally:
         for pid in [p.pid, *ranks]:  # (only what this test started)
@@ -994,6 +997,17 @@ def test_the_files_are_written_whatever_becomes_of_standard_output(tmp_path):
         assert json.loads(out.read_text())["results"], how
         assert "Traceback" not in err and "could not print the table" in err, (how, err)
         assert p.returncode == 0, (how, p.returncode, err)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_plot_that_cannot_be_written_is_said_in_a_line_and_the_table_still_printed():
+    # (a full disk as the plot was written: three chained tracebacks, and no table)
+    pytest.importorskip("matplotlib")
+    saved = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "reference.json")
+    q = run("--from-json", saved, "--plot", "/dev/full", timeout=120)
+    assert q.returncode == 1 and "Traceback" not in q.stderr, q.stderr
+    assert "--plot /dev/full: " in q.stderr and "No space left" in q.stderr, q.stderr
+    assert "barrier" in q.stdout and "ctrlcomm" in q.stdout, q.stdout
 
 
 def test_an_empty_file_name_is_refused_before_anything_runs():
