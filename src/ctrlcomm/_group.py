@@ -1492,19 +1492,14 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         done["table"] = ""
         store.set(f"{FORMATION}table", "\n".join([nonce, *addrs]), timeout=left())
         if size > 1:
-            try:
-                store.wait([f"{FORMATION}done/{nonce}"], timeout=left())
-            except StoreTimeoutError:
-                raise FormationTimeoutError(
-                    f"group {name!r} not formed: not every rank read the address table in time"
-                ) from None
+            _settled(store, nonce, rank, size, name, deadline)
         # this formation's keys only: the ranks may have set keys of their own already,
         # through the group's store client, since they read the table; and, having closed
         # the group at once, one may be in the next formation of this name already (a
-        # prefix deleted would take its key). Each other rank deleted its own key.
-        store.multi_delete([keys[0], f"{FORMATION}table", f"{FORMATION}acks/{nonce}",
-                            f"{FORMATION}done/{nonce}", *(f"{GAVE_UP}{r}" for r in range(size))],
-                           timeout=left())
+        # prefix deleted would take its key). Each other rank deleted its own key (and
+        # _settled the formation's counters).
+        store.multi_delete([keys[0], f"{FORMATION}table",
+                            *(f"{GAVE_UP}{r}" for r in range(size))], timeout=left())
         return nonce, dict(enumerate(addrs))
     # rank 0's settings, as soon as it has joined: a rank created otherwise says so at once
     # (rank 0, waiting for ranks that never come, says it at its deadline)
@@ -1549,16 +1544,85 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
                 "for an earlier try of this rank, or for an earlier group of this name): "
                 "try again")
         time.sleep(0.05)
-    if store.add(f"{FORMATION}acks/{lines[0]}", 1, timeout=left()) == size - 1:
-        store.set(f"{FORMATION}done/{lines[0]}", "1", timeout=left())
+    nonce = lines[0]
+    known = None
+    if store.add(f"{FORMATION}acks/{nonce}", 1, timeout=left()) == size - 1:
+        # the last to read it: the group is formed, unless a rank whose wait ran out
+        # settled it first (as failed)
+        ok, held = store.set_if_absent(f"{FORMATION}done/{nonce}", "1", timeout=left())
+        known = b"1" if ok else held
     # then its key (rank 0 leaves it: this rank's next formation of this name, right after a
-    # close, may have set it again by then; this one must find it gone). Best effort: the
-    # group is formed (rank 0, and its store, may be gone already)
+    # close, may have set it again by then; this one must find it gone; and a rank whose
+    # key is still there when the wait runs out has not read the table). Best effort
     try:
         store.delete(keys[rank], timeout=min(left(), ASK_S))
     except StoreError:
         pass
-    return lines[0], dict(enumerate(lines[1:]))
+    _settled(store, nonce, rank, size, name, deadline, known)
+    return nonce, dict(enumerate(lines[1:]))
+
+
+def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,
+             deadline: float, known: bytes | None = None) -> None:
+    """Wait until the formation of table ``nonce`` is settled, and raise
+    FormationTimeoutError where it failed. Every rank reads the one value its store holds,
+    set once (``set_if_absent``): "1" by the last rank to read the table (formed), or
+    "!rank|why" by the first rank whose wait ran out (failed; why names the ranks that had
+    not read the table, where the store can tell: they joined, so they are not
+    ``missing``). So no rank's group is formed where another's is not. (Before, a rank
+    that had read the table returned a group while rank 0 failed, waiting for a rank that
+    had died after joining; its first call then blamed rank 0, "stopped answering
+    heartbeats", not the rank that had died.) ``known``: the value, where this rank set
+    it, or found it set, as the last to read the table.
+
+    Rank 0 returns once every other rank has read the value (its store, where it hosts
+    it, ends with its group), or at its deadline, formed all the same (a rank that died
+    since is its group's to find), and deletes the formation's keys."""
+    done, seen, all_seen = (f"{FORMATION}{k}/{nonce}" for k in ("done", "seen", "all-seen"))
+    got = known
+    if got is None:
+        try:
+            got = store.get(done, timeout=max(deadline - time.monotonic(), 0.001))
+        except StoreTimeoutError as e:
+            if not e.answered:
+                raise
+            # the ranks whose keys are still there did not read the table (each deletes
+            # its own once it has: _join)
+            others = [r for r in range(1, size) if r != rank]
+            try:
+                have = store.exists([f"{FORMATION}rank/{r}" for r in others], timeout=ASK_S)
+                late = [r for r, h in zip(others, have, strict=True) if h]
+            except StoreError:
+                late = []
+            why = (f"ranks {late} did not read the address table in time (they joined, "
+                   "then died or hung?)" if late
+                   else "not every rank read the address table in time")
+            failed = f"!{rank}|{why}".encode()
+            ok, held = store.set_if_absent(done, failed, timeout=ASK_S)
+            got = failed if ok else held
+    if rank == 0:
+        try:
+            # (failed: briefly, for the others to read why before its store may end)
+            store.wait([all_seen], timeout=max(deadline - time.monotonic(), 0.001)
+                       if got == b"1" else ASK_S)
+        except StoreError:
+            pass
+        try:
+            store.multi_delete([f"{FORMATION}acks/{nonce}", done, seen, all_seen],
+                               timeout=ASK_S)
+        except StoreError:
+            pass
+    else:
+        try:
+            if store.add(seen, 1, timeout=ASK_S) == size - 1:
+                store.set(all_seen, "1", timeout=ASK_S)
+        except StoreError:
+            pass  # (best effort: the formation is settled; rank 0 goes on at its deadline)
+    if got != b"1":
+        finder, _, why = got[1:].decode(errors="replace").partition("|")
+        raise FormationTimeoutError(
+            f"group {name!r} not formed within the timeout on rank {rank}: {why}"
+            + ("" if finder == str(rank) else f" (found by rank {finder})"))
 
 
 __all__ = ["Group", "AioGroup", "StoreError"]

@@ -1244,6 +1244,70 @@ def test_a_rank_whose_store_died_says_so_within_its_bound():
     assert took < 3.0 + 1.5 + 0.4, took
 
 
+def joins_then_dies(rank, size, port):
+    """World 3 on a store of the test's: rank 2 dies as soon as its key is in the store
+    (it joined, and never reads the address table); rank 1 comes after that."""
+    import os
+    import signal
+
+    c = ctrlcomm.StoreClient("127.0.0.1", port, timeout=20, prefix="ctrlcomm/split/")
+
+    def joined() -> None:
+        while not c.check(["ctrlcomm:formation/rank/2"]):
+            time.sleep(0.01)
+
+    if rank == 2:
+        threading.Thread(target=lambda: (joined(), os.kill(os.getpid(), signal.SIGKILL)),
+                         daemon=True).start()
+    elif rank == 1:
+        joined()
+        time.sleep(0.5)  # (rank 2 is gone by then)
+    t = time.monotonic()
+    try:
+        g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="split",
+                                  host_store=False, timeout=3.0 if rank == 0 else 20)
+    except ctrlcomm.FormationTimeoutError as e:
+        return "FormationTimeoutError", str(e), time.monotonic() - t
+    g.close()
+    return "formed"
+
+
+def test_a_rank_that_joined_and_died_fails_the_formation_on_every_rank(store):
+    """(Found in review: rank 1 had read the address table and returned a group while rank
+    0's formation timed out, waiting for rank 2 to read it; rank 1's first call then failed
+    at liveness, blaming rank 0, "rank 0 stopped answering heartbeats", alive, and not
+    rank 2. Now the ranks settle the formation in one value of the store: both fail, at rank
+    0's deadline, naming rank 2.)"""
+    res = run_ranks(joins_then_dies, 3, store.port, may_die=(2,), timeout=60)
+    for r in (0, 1):
+        kind, text, took = res[r]
+        assert kind == "FormationTimeoutError", res
+        assert "ranks [2] did not read the address table in time" in text, text
+        assert took < 3.0 + 1.5 + (0 if r == 0 else 1.0), res
+    assert "(found by rank 0)" in res[1][1], res
+
+
+def formed_and_counted(rank, size, port):
+    ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="count", host_store=False,
+                          timeout=20).close()
+    return "formed"
+
+
+def test_a_formation_leaves_no_key_of_its_own_in_the_store(store):
+    """(Its keys are deleted by the ranks as they go: the last to read that the formation
+    is settled deletes its counters, as the original's keys piled up in the TCPStore.)"""
+    for size in (1, 2, 5):
+        assert run_ranks(formed_and_counted, size, store.port, timeout=60) == ["formed"] * size
+        c = ctrlcomm.StoreClient("127.0.0.1", store.port, timeout=5)
+        try:
+            t = time.monotonic()  # (the last rank's deletes may still be on their way)
+            while (left := c.list_keys()) and time.monotonic() - t < 5:
+                time.sleep(0.05)
+            assert left == [], (size, left)
+        finally:
+            c.close()
+
+
 def recreates_at_once(rank, size, port):
     """Create and close a group of one name, three times, nothing in between; rank 0 is slow
     (0.3 s, as a process descheduled on a loaded host) to clean the formation's keys."""
