@@ -1081,7 +1081,8 @@ class Core:
             now = time.monotonic()
             lost, suspect_at = self._check_lost(full, now)
             if lost:
-                raise PeerLostError(f"{name} on group {self.name!r}: rank {lost[0]} "
+                what = name if seq is None else f"{name} #{seq}"
+                raise PeerLostError(f"{what} on group {self.name!r}: rank {lost[0]} "
                                     f"{self.gone[lost[0]]}", ranks=lost)
             if now >= deadline:
                 raise self._timeout(f"{name} (sending)", seq, t, full)

@@ -60,6 +60,13 @@ _ctx_lock = threading.Lock()
 LINGER_MS = 5000
 HWM = 100_000
 COPY_THRESHOLD = 65536
+# What ZeroMQ's I/O thread may hold for one peer, in large frames, before a sender waits as
+# the TCP transport's does (the core's MAX_BACKLOG more): it sends on its own, so a call
+# that queues a large object returns without waiting for the receiver (README), but a loop
+# of them to a slow or dead receiver must not queue without end (a copy each, where the
+# object may change). Small frames, copied by ZeroMQ, are bounded by HWM.
+ZMQ_ALLOWANCE = 256 * 1024 * 1024
+TRACK_POLL_S = 0.005  # how often a wait over the allowance looks whether ZeroMQ sent more
 
 
 def context() -> zmq.Context[Any]:
@@ -353,6 +360,11 @@ class ZmqEndpoint:
         self.fd: int = self.rx.getsockopt(zmq.FD)
         self.peers: dict[int, str] = {}
         self.tx: dict[int, zmq.Socket[Any]] = {}
+        # large frames queued for each peer, as ZeroMQ's trackers and their sizes, oldest
+        # first; and the peers for which more than ZMQ_ALLOWANCE is queued (see backlog)
+        self._queued: dict[int, deque[tuple[zmq.MessageTracker, int]]] = {}
+        self._queued_bytes: dict[int, int] = {}
+        self._over: set[int] = set()
         self._poller = zmq.Poller()
         self._poller.register(self.rx, zmq.POLLIN)
         self.bell = _Bell()
@@ -415,12 +427,43 @@ class ZmqEndpoint:
         for dst in dsts:
             s = self._sock(dst)
             for i, f in enumerate(frames):
-                s.send(f, (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT, copy=not big[i])
+                flags = (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT
+                if big[i]:
+                    tracker = s.send(f, flags, copy=False, track=True)
+                    q = self._queued.get(dst)
+                    if q is None:
+                        q = self._queued[dst] = deque()
+                        self._queued_bytes[dst] = 0
+                    n = memoryview(f).nbytes
+                    q.append((tracker, n))
+                    self._queued_bytes[dst] += n
+                else:
+                    s.send(f, flags)
 
-    unflushed: frozenset[int] = frozenset()  # ZeroMQ flushes in its own I/O thread
+    @property
+    def unflushed(self) -> Collection[int]:
+        """The peers with large frames queued in ZeroMQ (``backlog`` tells how much)."""
+        return self._queued
 
     def backlog(self, dst: int) -> int:
-        return 0  # ZeroMQ's own high-water mark applies
+        """The bytes of large frames queued for ``dst`` beyond ZMQ_ALLOWANCE: what the
+        core's limit counts (ZeroMQ's I/O thread sends the rest on its own)."""
+        q = self._queued.get(dst)
+        if q is None:
+            return 0
+        n = self._queued_bytes[dst]
+        while q and q[0][0].done:
+            n -= q.popleft()[1]
+        if q:
+            self._queued_bytes[dst] = n
+        else:
+            del self._queued[dst], self._queued_bytes[dst]
+        over = n - ZMQ_ALLOWANCE
+        if over > 0:
+            self._over.add(dst)  # (a wait meanwhile looks every TRACK_POLL_S: see wait)
+            return over
+        self._over.discard(dst)
+        return 0
 
     def pause(self, src: int) -> None:
         pass
@@ -454,6 +497,8 @@ class ZmqEndpoint:
         """Sleep until a message may be waiting, :meth:`wake` is called or ``timeout``
         seconds pass."""
         bfd = self.bell.fd
+        if self._over:  # (nothing wakes a wait as ZeroMQ sends: it looks again soon)
+            timeout = min(timeout, TRACK_POLL_S)
         for s, _ in self._poller.poll(int(min(max(timeout, 0.0), MAX_POLL_S) * 1000 + 0.999)):
             if s == bfd:
                 self.bell.clear()
@@ -474,6 +519,8 @@ class ZmqEndpoint:
             if _turn_due(self):  # (no need to go through the event loop, but for that)
                 await _unheld(self, asyncio.sleep(0))
             return
+        if self._over:  # (as in wait)
+            timeout = min(timeout, TRACK_POLL_S)
         try:
             await _unheld(self, self._readable(timeout))
         finally:
