@@ -988,7 +988,7 @@ def test_a_large_array_sent_to_many_ranks_is_copied_once(transport):
 
 def runs_far_ahead_of_a_stopped_receiver(g):
     """Rank 0 broadcasts 24 arrays of 32 MiB (copied as sent: an array may change) to a rank
-    that is stopped (SIGSTOP: ZeroMQ's I/O thread there too) until rank 0 wakes it 3 s
+    that is stopped (SIGSTOP: ZeroMQ's I/O thread there too) until rank 0 wakes it 2.5 s
     later; then, over another path (the store), rank 0 says it has sent a last large
     object, which rank 1 reads only after that: a call that queues one large object returns
     without waiting for its receiver."""
@@ -1003,8 +1003,10 @@ def runs_far_ahead_of_a_stopped_receiver(g):
     size, n = 32 << 20, 24
     if g.rank == 0:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        threading.Timer(3.0, os.kill, (pids[1], signal.SIGCONT)).start()
         g.barrier(timeout=60)
+        # (started here: rank 1 stops itself as its barrier returns, well before it;
+        # and wakes well within its liveness timeout, 5 s)
+        threading.Timer(2.5, os.kill, (pids[1], signal.SIGCONT)).start()
         time.sleep(0.5)  # (rank 1 stops itself meanwhile)
         a = np.zeros(size // 8)
         for i in range(n):
