@@ -361,10 +361,11 @@ class ZmqEndpoint:
         self.peers: dict[int, str] = {}
         self.tx: dict[int, zmq.Socket[Any]] = {}
         # large frames queued for each peer, as ZeroMQ's trackers and their sizes, oldest
-        # first; and the peers for which more than ZMQ_ALLOWANCE is queued (see backlog)
+        # first; and whether backlog() last found more than ZMQ_ALLOWANCE for a peer (the
+        # next wait, the core's for it to go down, is short: see wait)
         self._queued: dict[int, deque[tuple[zmq.MessageTracker, int]]] = {}
         self._queued_bytes: dict[int, int] = {}
-        self._over: set[int] = set()
+        self._over = False
         self._poller = zmq.Poller()
         self._poller.register(self.rx, zmq.POLLIN)
         self.bell = _Bell()
@@ -460,9 +461,8 @@ class ZmqEndpoint:
             del self._queued[dst], self._queued_bytes[dst]
         over = n - ZMQ_ALLOWANCE
         if over > 0:
-            self._over.add(dst)  # (a wait meanwhile looks every TRACK_POLL_S: see wait)
+            self._over = True
             return over
-        self._over.discard(dst)
         return 0
 
     def pause(self, src: int) -> None:
@@ -497,7 +497,11 @@ class ZmqEndpoint:
         """Sleep until a message may be waiting, :meth:`wake` is called or ``timeout``
         seconds pass."""
         bfd = self.bell.fd
-        if self._over:  # (nothing wakes a wait as ZeroMQ sends: it looks again soon)
+        if self._over:
+            # the core waits for the backlog to go down: nothing wakes it as ZeroMQ sends,
+            # so it looks again soon (it asks backlog() again, which sets this again while
+            # still over; any other wait, once that ended, is as long as asked)
+            self._over = False
             timeout = min(timeout, TRACK_POLL_S)
         for s, _ in self._poller.poll(int(min(max(timeout, 0.0), MAX_POLL_S) * 1000 + 0.999)):
             if s == bfd:
@@ -520,6 +524,7 @@ class ZmqEndpoint:
                 await _unheld(self, asyncio.sleep(0))
             return
         if self._over:  # (as in wait)
+            self._over = False
             timeout = min(timeout, TRACK_POLL_S)
         try:
             await _unheld(self, self._readable(timeout))
