@@ -1570,6 +1570,16 @@ def _take_io(core: Core, io: Any) -> bool:
     return False
 
 
+def cancelled_before_it_began(core: Core, collective: str) -> None:
+    """An awaited collective ``collective`` (a name; "": a point-to-point call) was
+    cancelled before it began: the group breaks, as where one is cancelled while it runs
+    (the others are told). Its caller cannot tell the two apart, and a rank that went on
+    would pair its next collective with the others' this one."""
+    if collective and core.state == "open":
+        core.abort(f"{collective} #{core.seq} on group {core.name!r} was cancelled "
+                   f"on rank {core.rank} (before it began)")
+
+
 async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
     """Asyncio driver: as :func:`run_sync`, but waits through the event loop.
 
@@ -1595,9 +1605,7 @@ async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
         try:
             await asyncio.sleep(0)  # (gen not started: nothing to close if cancelled here)
         except BaseException:
-            if collective and core.state == "open":
-                core.abort(f"{collective} #{core.seq} on group {core.name!r} was cancelled "
-                           f"on rank {core.rank} (before it began)")
+            cancelled_before_it_began(core, collective)
             raise
         finally:
             ep.yielding -= 1
@@ -1629,4 +1637,4 @@ async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
         io.release()
 
 
-__all__ = ["Call", "Core", "run_sync", "run_async"]
+__all__ = ["Call", "Core", "cancelled_before_it_began", "run_sync", "run_async"]

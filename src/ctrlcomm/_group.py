@@ -7,8 +7,10 @@ asyncio driver. Both views share one :class:`ctrlcomm._core.Core`, hence one seq
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
+import inspect
 import ipaddress
 import logging
 import operator
@@ -17,14 +19,14 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 from . import _ops, _plans, _transport
 from . import _wire as w
 from ._algo import choose
-from ._core import Call, Core, run_async, run_sync
+from ._core import Call, Core, cancelled_before_it_began, run_async, run_sync
 from ._errors import (
     CodecError,
     CtrlcommError,
@@ -1173,6 +1175,71 @@ def _await_closer(timeout: float) -> None:
 _transport.BEFORE_EXIT_FLUSH.append(_await_closer)
 
 
+class _Awaited(Coroutine[Any, Any, Any]):
+    """An awaited collective's coroutine, which knows whether it began.
+
+    The coroutine of an ``async def`` that is cancelled before its first step (a task
+    cancelled as it is made, ``asyncio.wait_for(..., 0)``, a deadline already spent) is
+    closed without running any of its body: nothing would know of the call, the group
+    would stay open, and this rank's next collective would pair with the others' this one
+    (found in review: all_gather gave ``["second", "first"]`` on both ranks). asyncio runs
+    this as it runs a coroutine (``send``/``throw``), so a cancellation before it began
+    reaches it: the group breaks, and the others are told, as for one cancelled in its
+    first turn (:func:`cancelled_before_it_began`). The call itself (its arguments
+    checked) is made as it begins, as an ``async def``'s would be."""
+
+    def __init__(self, core: Core, name: str, make: Callable[[], Coroutine[Any, Any, Any]]
+                 ) -> None:
+        self._core = core
+        self._make: Callable[[], Coroutine[Any, Any, Any]] | None = make
+        self._coro: Coroutine[Any, Any, Any] | None = None
+        self.__name__ = name
+        self.__qualname__ = f"AioGroup.{name}"
+
+    def _begun(self) -> Coroutine[Any, Any, Any]:
+        coro = self._coro
+        if coro is None:
+            make, self._make = self._make, None
+            if make is None:
+                raise RuntimeError(f"cannot reuse already awaited coroutine {self.__qualname__}")
+            coro = self._coro = make()
+        return coro
+
+    def send(self, value: Any) -> Any:
+        return self._begun().send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if self._coro is None:
+            if self._make is not None:
+                self._make = None
+                cancelled_before_it_began(self._core, self.__name__)
+            e = typ if isinstance(typ, BaseException) else typ() if val is None else val
+            raise e.with_traceback(tb) if tb is not None else e
+        return self._coro.throw(typ, val, tb)
+
+    def close(self) -> None:
+        # (never awaited: no call was made, as with an async def's coroutine)
+        self._make = None
+        if self._coro is not None:
+            self._coro.close()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._begun().__await__()
+
+
+def _coroutine_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn``, which returns an :class:`_Awaited`, as a coroutine function for the
+    code that asks (``inspect.iscoroutinefunction`` from Python 3.12,
+    ``asyncio.iscoroutinefunction``), as the ``async def`` it was."""
+    mark = getattr(inspect, "markcoroutinefunction", None)
+    if mark is not None:
+        return mark(fn)  # type: ignore[no-any-return]
+    marker = getattr(asyncio.coroutines, "_is_coroutine", None)
+    if marker is not None:
+        fn._is_coroutine = marker  # type: ignore[attr-defined]
+    return fn
+
+
 class AioGroup:
     """The asyncio view of a :class:`Group` (``group.aio``): the same calls, awaited.
 
@@ -1193,34 +1260,52 @@ class AioGroup:
     def world_size(self) -> int:
         return self._core.size
 
-    async def barrier(self, *, timeout: float | None = None) -> None:
-        await _run_async(self._core, _barrier_call(self._core.size), timeout)
+    @_coroutine_function
+    def barrier(self, *, timeout: float | None = None) -> Coroutine[Any, Any, None]:
+        return _Awaited(self._core, "barrier", lambda: _run_async(
+            self._core, _barrier_call(self._core.size), timeout))
 
-    async def broadcast(self, obj: Any, src: int = 0, *, timeout: float | None = None) -> Any:
-        return await _run_async(self._core, _spec_broadcast(self._core, obj, src), timeout)
+    @_coroutine_function
+    def broadcast(self, obj: Any, src: int = 0, *, timeout: float | None = None
+                  ) -> Coroutine[Any, Any, Any]:
+        return _Awaited(self._core, "broadcast", lambda: _run_async(
+            self._core, _spec_broadcast(self._core, obj, src), timeout))
 
-    async def gather(self, obj: Any, dst: int = 0, *,
-                     timeout: float | None = None) -> list[Any] | None:
-        return await _run_async(self._core, _spec_gather(self._core, obj, dst), timeout)  # type: ignore[no-any-return]
+    @_coroutine_function
+    def gather(self, obj: Any, dst: int = 0, *,
+               timeout: float | None = None) -> Coroutine[Any, Any, list[Any] | None]:
+        return _Awaited(self._core, "gather", lambda: _run_async(
+            self._core, _spec_gather(self._core, obj, dst), timeout))
 
-    async def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
-        return await _run_async(self._core, _spec_all_gather(self._core, obj), timeout)  # type: ignore[no-any-return]
+    @_coroutine_function
+    def all_gather(self, obj: Any, *, timeout: float | None = None
+                   ) -> Coroutine[Any, Any, list[Any]]:
+        return _Awaited(self._core, "all_gather", lambda: _run_async(
+            self._core, _spec_all_gather(self._core, obj), timeout))
 
-    async def scatter(self, objs: Sequence[Any] | None, src: int = 0, *,
-                      timeout: float | None = None) -> Any:
-        return await _run_async(self._core, _spec_scatter(self._core, objs, src), timeout)
+    @_coroutine_function
+    def scatter(self, objs: Sequence[Any] | None, src: int = 0, *,
+                timeout: float | None = None) -> Coroutine[Any, Any, Any]:
+        return _Awaited(self._core, "scatter", lambda: _run_async(
+            self._core, _spec_scatter(self._core, objs, src), timeout))
 
-    async def reduce(self, obj: Any, op: _ops.Op = "sum", dst: int = 0, *,
-                     timeout: float | None = None) -> Any:
-        return await _run_async(self._core, _spec_reduce(self._core, obj, op, dst), timeout)
+    @_coroutine_function
+    def reduce(self, obj: Any, op: _ops.Op = "sum", dst: int = 0, *,
+               timeout: float | None = None) -> Coroutine[Any, Any, Any]:
+        return _Awaited(self._core, "reduce", lambda: _run_async(
+            self._core, _spec_reduce(self._core, obj, op, dst), timeout))
 
-    async def all_reduce(self, obj: Any, op: _ops.Op = "sum", *,
-                         timeout: float | None = None) -> Any:
-        return await _run_async(self._core, _spec_all_reduce(self._core, obj, op), timeout)
+    @_coroutine_function
+    def all_reduce(self, obj: Any, op: _ops.Op = "sum", *,
+                   timeout: float | None = None) -> Coroutine[Any, Any, Any]:
+        return _Awaited(self._core, "all_reduce", lambda: _run_async(
+            self._core, _spec_all_reduce(self._core, obj, op), timeout))
 
-    async def all_to_all(self, objs: Sequence[Any], *,
-                         timeout: float | None = None) -> list[Any]:
-        return await _run_async(self._core, _spec_all_to_all(self._core, objs), timeout)  # type: ignore[no-any-return]
+    @_coroutine_function
+    def all_to_all(self, objs: Sequence[Any], *,
+                   timeout: float | None = None) -> Coroutine[Any, Any, list[Any]]:
+        return _Awaited(self._core, "all_to_all", lambda: _run_async(
+            self._core, _spec_all_to_all(self._core, objs), timeout))
 
     async def send(self, obj: Any, dst: int, tag: int = 0, *,
                    timeout: float | None = None) -> None:
@@ -1492,12 +1577,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         done["table"] = ""
         store.set(f"{FORMATION}table", "\n".join([nonce, *addrs]), timeout=left())
         if size > 1:
-            _settled(store, nonce, rank, size, name, deadline)
+            _settled(store, nonce, rank, size, name, deadline, rank0_hosts=rank0_hosts)
         # this formation's keys only: the ranks may have set keys of their own already,
         # through the group's store client, since they read the table; and, having closed
         # the group at once, one may be in the next formation of this name already (a
         # prefix deleted would take its key). Each other rank deleted its own key (and
-        # _settled the formation's counters).
+        # the last to read the settlement its counters: _settled).
         store.multi_delete([keys[0], f"{FORMATION}table",
                             *(f"{GAVE_UP}{r}" for r in range(size))], timeout=left())
         return nonce, dict(enumerate(addrs))
@@ -1558,12 +1643,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         store.delete(keys[rank], timeout=min(left(), ASK_S))
     except StoreError:
         pass
-    _settled(store, nonce, rank, size, name, deadline, known)
+    _settled(store, nonce, rank, size, name, deadline, known, rank0_hosts)
     return nonce, dict(enumerate(lines[1:]))
 
 
 def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,
-             deadline: float, known: bytes | None = None) -> None:
+             deadline: float, known: bytes | None = None, rank0_hosts: bool = True) -> None:
     """Wait until the formation of table ``nonce`` is settled, and raise
     FormationTimeoutError where it failed. Every rank reads the one value its store holds,
     set once (``set_if_absent``): "1" by the last rank to read the table (formed), or
@@ -1575,17 +1660,19 @@ def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,
     heartbeats", not the rank that had died.) ``known``: the value, where this rank set
     it, or found it set, as the last to read the table.
 
-    Rank 0 returns once every other rank has read the value (its store, where it hosts
-    it, ends with its group), or at its deadline, formed all the same (a rank that died
-    since is its group's to find), and deletes the formation's keys."""
-    done, seen, all_seen = (f"{FORMATION}{k}/{nonce}" for k in ("done", "seen", "all-seen"))
+    The last rank to have read the value deletes it and the formation's counters: a rank
+    slow to read it still finds it. (Where one never does, having died, they stay: three
+    small keys. Rank 0 does not wait for the others to read it: a rank that died after it
+    read the table is its group's to find, as one that died just after formation.)"""
+    done, seen = f"{FORMATION}done/{nonce}", f"{FORMATION}seen/{nonce}"
     got = known
     if got is None:
         try:
             got = store.get(done, timeout=max(deadline - time.monotonic(), 0.001))
         except StoreTimeoutError as e:
-            if not e.answered:
-                raise
+            if not e.answered:  # (rank 0, which hosts it, is gone: formed or not)
+                raise _silent_store(store, name, rank, rank0_hosts, rank0_joined=True) \
+                    from None
             # the ranks whose keys are still there did not read the table (each deletes
             # its own once it has: _join)
             others = [r for r in range(1, size) if r != rank]
@@ -1600,24 +1687,11 @@ def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,
             failed = f"!{rank}|{why}".encode()
             ok, held = store.set_if_absent(done, failed, timeout=ASK_S)
             got = failed if ok else held
-    if rank == 0:
-        try:
-            # (failed: briefly, for the others to read why before its store may end)
-            store.wait([all_seen], timeout=max(deadline - time.monotonic(), 0.001)
-                       if got == b"1" else ASK_S)
-        except StoreError:
-            pass
-        try:
-            store.multi_delete([f"{FORMATION}acks/{nonce}", done, seen, all_seen],
-                               timeout=ASK_S)
-        except StoreError:
-            pass
-    else:
-        try:
-            if store.add(seen, 1, timeout=ASK_S) == size - 1:
-                store.set(all_seen, "1", timeout=ASK_S)
-        except StoreError:
-            pass  # (best effort: the formation is settled; rank 0 goes on at its deadline)
+    try:
+        if store.add(seen, 1, timeout=ASK_S) == size:
+            store.multi_delete([f"{FORMATION}acks/{nonce}", done, seen], timeout=ASK_S)
+    except StoreError:
+        pass  # (best effort: the formation is settled; rank 0's store may be gone)
     if got != b"1":
         finder, _, why = got[1:].decode(errors="replace").partition("|")
         raise FormationTimeoutError(
