@@ -443,12 +443,13 @@ class ZmqEndpoint:
 
     @property
     def unflushed(self) -> Collection[int]:
-        """The peers with large frames queued in ZeroMQ (``backlog`` tells how much)."""
+        """The peers with large frames still queued in ZeroMQ (``backlog`` tells how much)."""
+        for dst in list(self._queued):
+            self._queued_for(dst)
         return self._queued
 
-    def backlog(self, dst: int) -> int:
-        """The bytes of large frames queued for ``dst`` beyond ZMQ_ALLOWANCE: what the
-        core's limit counts (ZeroMQ's I/O thread sends the rest on its own)."""
+    def _queued_for(self, dst: int) -> int:
+        """The bytes of large frames ZeroMQ still holds for ``dst`` (forgetting those sent)."""
         q = self._queued.get(dst)
         if q is None:
             return 0
@@ -459,7 +460,12 @@ class ZmqEndpoint:
             self._queued_bytes[dst] = n
         else:
             del self._queued[dst], self._queued_bytes[dst]
-        over = n - ZMQ_ALLOWANCE
+        return n
+
+    def backlog(self, dst: int) -> int:
+        """The bytes of large frames queued for ``dst`` beyond ZMQ_ALLOWANCE: what the
+        core's limit counts (ZeroMQ's I/O thread sends the rest on its own)."""
+        over = self._queued_for(dst) - ZMQ_ALLOWANCE
         if over > 0:
             self._over = True
             return over
