@@ -1574,8 +1574,10 @@ def cancelled_before_it_began(core: Core, collective: str) -> None:
     """An awaited collective ``collective`` (a name; "": a point-to-point call) was
     cancelled before it began: the group breaks, as where one is cancelled while it runs
     (the others are told). Its caller cannot tell the two apart, and a rank that went on
-    would pair its next collective with the others' this one."""
-    if collective and core.state == "open":
+    would pair its next collective with the others' this one. Not where another call holds
+    the group: this one would have been refused (ConcurrentUseError), which leaves the
+    group working (and breaking it would end that call); nor in a world of one."""
+    if collective and core.state == "open" and core.size > 1 and not core._lock.locked():
         core.abort(f"{collective} #{core.seq} on group {core.name!r} was cancelled "
                    f"on rank {core.rank} (before it began)")
 

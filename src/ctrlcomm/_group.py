@@ -18,10 +18,11 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _ops, _plans, _transport
 from . import _wire as w
@@ -1215,6 +1216,8 @@ class _Awaited(Coroutine[Any, Any, Any]):
                 cancelled_before_it_began(self._core, self.__name__)
             e = typ if isinstance(typ, BaseException) else typ() if val is None else val
             raise e.with_traceback(tb) if tb is not None else e
+        if val is None and tb is None:  # (the form asyncio uses; three are deprecated)
+            return self._coro.throw(typ)
         return self._coro.throw(typ, val, tb)
 
     def close(self) -> None:
@@ -1223,11 +1226,19 @@ class _Awaited(Coroutine[Any, Any, Any]):
         if self._coro is not None:
             self._coro.close()
 
+    def __del__(self) -> None:
+        if getattr(self, "_make", None) is not None:  # (as Python says of an async def's)
+            warnings.warn(f"coroutine '{self.__qualname__}' was never awaited",
+                          RuntimeWarning, stacklevel=2)
+
     def __await__(self) -> Generator[Any, None, Any]:
         return self._begun().__await__()
 
 
-def _coroutine_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _coroutine_function(fn: _F) -> _F:
     """Mark ``fn``, which returns an :class:`_Awaited`, as a coroutine function for the
     code that asks (``inspect.iscoroutinefunction`` from Python 3.12,
     ``asyncio.iscoroutinefunction``), as the ``async def`` it was."""
@@ -1380,6 +1391,7 @@ def _not_joined(missing: list[int], gave_up: list[int]) -> str:
 ALIKE = ("ws:", "codec:", "tr:", "wire:")  # the fields of an address every rank must have alike
 _ALIKE_WORDS = {"ws": "world size", "codec": "codec", "tr": "transport", "wire": "wire version"}
 ASK_S = 0.5  # how long a formation that timed out asks the store why
+SETTLE_S = 2.0  # how long rank 0 waits for the others to read that the group is formed
 DIFFER_CHECK_S = 1.0  # how often rank 0, waiting for ranks, compares the settings of those in
 # Where, in a group's namespace of the store, formation keeps its keys (deleted once the group
 # is formed): apart from the keys the ranks set through the group's store client (Group.store)
@@ -1630,19 +1642,21 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
                 "try again")
         time.sleep(0.05)
     nonce = lines[0]
+    # its key, read, first (rank 0 leaves it: this rank's next formation of this name, right
+    # after a close, may have set it again by then; this one must find it gone; and a rank
+    # whose key is still there when the wait runs out has not read the table). Before the
+    # acknowledgement: once the last one is in, rank 0 may return, and its next formation
+    # of this name take a key still there for this rank's next. Best effort
+    try:
+        store.delete(keys[rank], timeout=min(left(), ASK_S))
+    except StoreError:
+        pass
     known = None
     if store.add(f"{FORMATION}acks/{nonce}", 1, timeout=left()) == size - 1:
         # the last to read it: the group is formed, unless a rank whose wait ran out
         # settled it first (as failed)
         ok, held = store.set_if_absent(f"{FORMATION}done/{nonce}", "1", timeout=left())
         known = b"1" if ok else held
-    # then its key (rank 0 leaves it: this rank's next formation of this name, right after a
-    # close, may have set it again by then; this one must find it gone; and a rank whose
-    # key is still there when the wait runs out has not read the table). Best effort
-    try:
-        store.delete(keys[rank], timeout=min(left(), ASK_S))
-    except StoreError:
-        pass
     _settled(store, nonce, rank, size, name, deadline, known, rank0_hosts)
     return nonce, dict(enumerate(lines[1:]))
 
@@ -1660,11 +1674,15 @@ def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,
     heartbeats", not the rank that had died.) ``known``: the value, where this rank set
     it, or found it set, as the last to read the table.
 
-    The last rank to have read the value deletes it and the formation's counters: a rank
-    slow to read it still finds it. (Where one never does, having died, they stay: three
-    small keys. Rank 0 does not wait for the others to read it: a rank that died after it
-    read the table is its group's to find, as one that died just after formation.)"""
-    done, seen = f"{FORMATION}done/{nonce}", f"{FORMATION}seen/{nonce}"
+    Formed, rank 0 returns once every rank has read the value (the last sets ``all-seen``),
+    or after SETTLE_S: its store (where it hosts it) may end with its return (from_torch
+    closes it), and a rank that read the value after that would fail where the others
+    formed; and a rank that died after it read the table is its group's to find, as one
+    that died just after formation, not rank 0's to wait for. Then rank 0, or the last
+    to read the value, deletes it and the formation's counters; where rank 0 stopped
+    waiting, they stay (four small keys), so that a rank slow to read the value still finds
+    it."""
+    done, seen, all_seen = (f"{FORMATION}{k}/{nonce}" for k in ("done", "seen", "all-seen"))
     got = known
     if got is None:
         try:
@@ -1687,11 +1705,18 @@ def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,
             failed = f"!{rank}|{why}".encode()
             ok, held = store.set_if_absent(done, failed, timeout=ASK_S)
             got = failed if ok else held
-    try:
-        if store.add(seen, 1, timeout=ASK_S) == size:
-            store.multi_delete([f"{FORMATION}acks/{nonce}", done, seen], timeout=ASK_S)
+    counters = [f"{FORMATION}acks/{nonce}", done, seen]
+    try:  # (best effort: the formation is settled; rank 0's store may be gone)
+        last = store.add(seen, 1, timeout=ASK_S) == size
+        if rank == 0:
+            if not last and got == b"1":
+                store.wait([all_seen], timeout=min(max(deadline - time.monotonic(), 0.001),
+                                                   SETTLE_S))
+            store.multi_delete([*counters, all_seen], timeout=ASK_S)
+        elif last:
+            store.set(all_seen, "1", timeout=ASK_S)  # (rank 0 deletes them all)
     except StoreError:
-        pass  # (best effort: the formation is settled; rank 0's store may be gone)
+        pass
     if got != b"1":
         finder, _, why = got[1:].decode(errors="replace").partition("|")
         raise FormationTimeoutError(

@@ -13,9 +13,11 @@ instead of mixing values. ``all_reduce_min``, ``all_reduce_sum``, ``broadcast`` 
 from __future__ import annotations
 
 import operator
+from collections.abc import Coroutine
 from typing import Any
 
 from ._errors import InvalidArgumentError, show
+from ._group import _Awaited, _coroutine_function
 
 
 def _values(name: str, rank: int, vals: tuple[Any, ...]) -> tuple[int, ...]:
@@ -84,45 +86,58 @@ class AsyncZMQCommunicator:
             return _shape(v)
         return _shape(self.group.all_reduce(v, op=op, timeout=timeout))
 
-    async def all_reduce_max(self, *local_vals: int, async_op: bool = True,
-                             timeout: float | None = None) -> int | tuple[int, ...]:
+    def _awaited(self, name: str, op: str, vals: tuple[Any, ...], async_op: bool,
+                 timeout: float | None) -> Coroutine[Any, Any, int | tuple[int, ...]]:
+        # (a coroutine that breaks the group where it is cancelled before it began, as
+        # group.aio's: an async def's would make no call at all, and this rank's next would
+        # pair with the others' this one)
+        return _Awaited(self.group._core, name,
+                        lambda: self._areduce(name, op, vals, async_op, timeout))
+
+    @_coroutine_function
+    def all_reduce_max(self, *local_vals: int, async_op: bool = True,
+                       timeout: float | None = None) -> Coroutine[Any, Any, int | tuple[int, ...]]:
         """Element-wise max over ranks: an int for one value, else a tuple."""
-        return await self._areduce("all_reduce_max", "max", local_vals, async_op, timeout)
+        return self._awaited("all_reduce_max", "max", local_vals, async_op, timeout)
 
     def sync_all_reduce_max(self, *local_vals: int,
                             timeout: float | None = None) -> int | tuple[int, ...]:
         """Blocking variant of :meth:`all_reduce_max`."""
         return self._reduce("sync_all_reduce_max", "max", local_vals, timeout)
 
-    async def all_reduce_min(self, *local_vals: int, async_op: bool = True,
-                             timeout: float | None = None) -> int | tuple[int, ...]:
-        return await self._areduce("all_reduce_min", "min", local_vals, async_op, timeout)
+    @_coroutine_function
+    def all_reduce_min(self, *local_vals: int, async_op: bool = True,
+                       timeout: float | None = None) -> Coroutine[Any, Any, int | tuple[int, ...]]:
+        return self._awaited("all_reduce_min", "min", local_vals, async_op, timeout)
 
     def sync_all_reduce_min(self, *local_vals: int,
                             timeout: float | None = None) -> int | tuple[int, ...]:
         return self._reduce("sync_all_reduce_min", "min", local_vals, timeout)
 
-    async def all_reduce_sum(self, *local_vals: int, async_op: bool = True,
-                             timeout: float | None = None) -> int | tuple[int, ...]:
-        return await self._areduce("all_reduce_sum", "sum", local_vals, async_op, timeout)
+    @_coroutine_function
+    def all_reduce_sum(self, *local_vals: int, async_op: bool = True,
+                       timeout: float | None = None) -> Coroutine[Any, Any, int | tuple[int, ...]]:
+        return self._awaited("all_reduce_sum", "sum", local_vals, async_op, timeout)
 
     def sync_all_reduce_sum(self, *local_vals: int,
                             timeout: float | None = None) -> int | tuple[int, ...]:
         return self._reduce("sync_all_reduce_sum", "sum", local_vals, timeout)
 
-    async def broadcast(self, obj: Any = None, src: int = 0, *,
-                        timeout: float | None = None) -> Any:
+    @_coroutine_function
+    def broadcast(self, obj: Any = None, src: int = 0, *,
+                  timeout: float | None = None) -> Coroutine[Any, Any, Any]:
         """``src``'s object on every rank. ``src`` is a rank within the process group, as
         ``torch.distributed.get_rank(process_group)`` gives it (0: the leader, its first
         global rank), not a global rank as torch.distributed.broadcast's ``src``."""
-        return await self.group.aio.broadcast(obj, src=src, timeout=timeout)
+        return self.group.aio.broadcast(obj, src=src, timeout=timeout)
 
     def sync_broadcast(self, obj: Any = None, src: int = 0, *,
                        timeout: float | None = None) -> Any:
         return self.group.broadcast(obj, src=src, timeout=timeout)
 
-    async def barrier(self, *, timeout: float | None = None) -> None:
-        await self.group.aio.barrier(timeout=timeout)
+    @_coroutine_function
+    def barrier(self, *, timeout: float | None = None) -> Coroutine[Any, Any, None]:
+        return self.group.aio.barrier(timeout=timeout)
 
     def sync_barrier(self, *, timeout: float | None = None) -> None:
         self.group.barrier(timeout=timeout)

@@ -824,6 +824,47 @@ def test_async_zmq_communicator_world_of_one():
         assert "sync_all_reduce_max on rank 0: values must be ints" in msg, msg
 
 
+def megatron_cancelled_before_it_began(rank, size, port):
+    import os
+
+    import torch.distributed as dist
+
+    from ctrlcomm import AsyncZMQCommunicator
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    comm = AsyncZMQCommunicator(None, None)
+
+    async def main():
+        out = []
+        if rank == 0:
+            try:  # (a deadline already spent: the coroutine is cancelled before it runs)
+                await asyncio.wait_for(comm.all_reduce_max(5), 0)
+            except asyncio.TimeoutError:
+                out.append(comm.group.broken)
+        for v in ((1,) if rank else ()) + (100,):
+            try:
+                out.append(await comm.all_reduce_max(v, timeout=20))
+            except ctrlcomm.CtrlcommError as e:
+                out.append(type(e).__name__)
+        return out
+
+    out = asyncio.run(main())
+    dist.barrier()  # (rank 0 stays until rank 1 knows)
+    comm.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.torch
+def test_async_zmq_communicator_call_cancelled_before_it_began_breaks_the_group():
+    # (found in review: the original's methods are coroutines of async defs, whose body
+    # never ran; rank 0's next call gave 100, paired with rank 1's first)
+    pytest.importorskip("torch")
+    res = run_ranks(megatron_cancelled_before_it_began, 2, free_port(), timeout=90)
+    assert res == [[True, "GroupBrokenError"], ["PeerLostError", "PeerLostError"]], res
+
+
 # -------------------------------------------------------------------------- torch interop
 
 
