@@ -1189,13 +1189,13 @@ class _Awaited(Coroutine[Any, Any, Any]):
     first turn (:func:`cancelled_before_it_began`). The call itself (its arguments
     checked) is made as it begins, as an ``async def``'s would be."""
 
-    def __init__(self, core: Core, name: str, make: Callable[[], Coroutine[Any, Any, Any]]
-                 ) -> None:
+    def __init__(self, core: Core, name: str, make: Callable[[], Coroutine[Any, Any, Any]],
+                 owner: str = "AioGroup") -> None:
         self._core = core
         self._make: Callable[[], Coroutine[Any, Any, Any]] | None = make
         self._coro: Coroutine[Any, Any, Any] | None = None
         self.__name__ = name
-        self.__qualname__ = f"AioGroup.{name}"
+        self.__qualname__ = f"{owner}.{name}"
 
     def _begun(self) -> Coroutine[Any, Any, Any]:
         coro = self._coro
@@ -1595,8 +1595,11 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         # the group at once, one may be in the next formation of this name already (a
         # prefix deleted would take its key). Each other rank deleted its own key (and
         # the last to read the settlement its counters: _settled).
-        store.multi_delete([keys[0], f"{FORMATION}table",
-                            *(f"{GAVE_UP}{r}" for r in range(size))], timeout=left())
+        try:  # (best effort: formed; rank 0's wait in _settled may have reached the deadline)
+            store.multi_delete([keys[0], f"{FORMATION}table",
+                                *(f"{GAVE_UP}{r}" for r in range(size))], timeout=ASK_S)
+        except StoreError:
+            pass
         return nonce, dict(enumerate(addrs))
     # rank 0's settings, as soon as it has joined: a rank created otherwise says so at once
     # (rank 0, waiting for ranks that never come, says it at its deadline)
@@ -1678,10 +1681,10 @@ def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,
     or after SETTLE_S: its store (where it hosts it) may end with its return (from_torch
     closes it), and a rank that read the value after that would fail where the others
     formed; and a rank that died after it read the table is its group's to find, as one
-    that died just after formation, not rank 0's to wait for. Then rank 0, or the last
-    to read the value, deletes it and the formation's counters; where rank 0 stopped
-    waiting, they stay (four small keys), so that a rank slow to read the value still finds
-    it."""
+    that died just after formation, not rank 0's to wait for. Then rank 0 deletes the value
+    and the formation's counters; failed, the last rank to read it. Where rank 0 stopped
+    waiting, or a rank never read it, they stay (up to four small keys): a rank slow to read
+    the value must still find it."""
     done, seen, all_seen = (f"{FORMATION}{k}/{nonce}" for k in ("done", "seen", "all-seen"))
     got = known
     if got is None:
@@ -1705,16 +1708,21 @@ def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,
             failed = f"!{rank}|{why}".encode()
             ok, held = store.set_if_absent(done, failed, timeout=ASK_S)
             got = failed if ok else held
-    counters = [f"{FORMATION}acks/{nonce}", done, seen]
+    keys = [f"{FORMATION}acks/{nonce}", done, seen, all_seen]
     try:  # (best effort: the formation is settled; rank 0's store may be gone)
-        last = store.add(seen, 1, timeout=ASK_S) == size
-        if rank == 0:
-            if not last and got == b"1":
-                store.wait([all_seen], timeout=min(max(deadline - time.monotonic(), 0.001),
-                                                   SETTLE_S))
-            store.multi_delete([*counters, all_seen], timeout=ASK_S)
-        elif last:
-            store.set(all_seen, "1", timeout=ASK_S)  # (rank 0 deletes them all)
+        if store.add(seen, 1, timeout=ASK_S) == size:
+            # every rank has read it (so acknowledged the table: none can count again)
+            if rank == 0 or got != b"1":
+                store.multi_delete(keys, timeout=ASK_S)
+            else:
+                store.set(all_seen, "1", timeout=ASK_S)  # (rank 0, waiting, deletes them)
+        elif rank == 0 and got == b"1":
+            store.wait([all_seen], timeout=min(max(deadline - time.monotonic(), 0.001),
+                                               SETTLE_S))
+            store.multi_delete(keys, timeout=ASK_S)
+        # (failed, and not all have read it: the value stays for the others to read; a
+        # rank that acknowledged late counted anew, and formed alone, where rank 0 deleted
+        # the counters)
     except StoreError:
         pass
     if got != b"1":

@@ -92,7 +92,8 @@ class AsyncZMQCommunicator:
         # group.aio's: an async def's would make no call at all, and this rank's next would
         # pair with the others' this one)
         return _Awaited(self.group._core, name,
-                        lambda: self._areduce(name, op, vals, async_op, timeout))
+                        lambda: self._areduce(name, op, vals, async_op, timeout),
+                        type(self).__name__)
 
     @_coroutine_function
     def all_reduce_max(self, *local_vals: int, async_op: bool = True,

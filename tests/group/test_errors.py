@@ -1455,6 +1455,37 @@ def test_a_group_created_again_at_once_forms_though_a_rank_deletes_its_key_late(
         [["formed"] * 3] * 2
 
 
+def acknowledges_late(rank, size, port):
+    """Rank 1 acknowledges the address table 3 s after it read it (a process descheduled);
+    rank 0 gives up at 1.5 s."""
+    if rank == 1:
+        from ctrlcomm import StoreClient
+
+        real = StoreClient.add
+
+        def late(self, key, amount, **kw):
+            if "formation/acks/" in str(key):
+                time.sleep(3.0)
+            return real(self, key, amount, **kw)
+
+        StoreClient.add = late
+    try:
+        ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="late", host_store=False,
+                              timeout=1.5 if rank == 0 else 10).close()
+    except ctrlcomm.FormationTimeoutError as e:
+        return str(e)
+    return "formed"
+
+
+def test_a_rank_that_acknowledges_after_rank_0_gave_up_does_not_form_alone(store):
+    """(Found in review: rank 0, failed, deleted the formation's counters at once; rank 1,
+    acknowledging later, counted anew as the last, settled the formation formed, and
+    returned a group whose rank 0 had given up.)"""
+    r0, r1 = run_ranks(acknowledges_late, 2, store.port, timeout=60)
+    assert "not every rank read the address table in time" in r0, r0
+    assert "(found by rank 0)" in r1, r1
+
+
 def created_with_key(rank, size, port, keys):
     try:
         ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=2.0, auth_key=keys[rank])
