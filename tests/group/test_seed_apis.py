@@ -849,11 +849,12 @@ def megatron_cancelled_before_it_began(rank, size, port):
                 out.append(type(e).__name__)
         return out
 
-    out = asyncio.run(main())
-    dist.barrier()  # (rank 0 stays until rank 1 knows)
-    comm.close()
-    dist.destroy_process_group()
-    return out
+    try:
+        return asyncio.run(main())
+    finally:
+        dist.barrier()  # (rank 0 stays until rank 1 knows)
+        comm.close()
+        dist.destroy_process_group()
 
 
 @pytest.mark.torch
