@@ -40,7 +40,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
 from itertools import repeat
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from . import _ops, _plans
 from . import _wire as w
@@ -97,8 +97,6 @@ ABORT_PUSH_S = 0.1
 RUNNING_RECHECK_S = 0.5
 RUNNING_UNSURE_S = 0.25
 RUNNING_LIMIT = 12
-_E = TypeVar("_E", bound=BaseException | None)
-
 # Flow control. A rank stops reading a peer that is HOLD_HIGH collective messages ahead, and
 # reads it again at HOLD_LOW; a sender with more than MAX_BACKLOG bytes queued for one peer
 # waits (within its deadline) before it queues more. Memory stays bounded however far a
@@ -587,16 +585,17 @@ class Core:
         :attr:`cause`: where a peer was lost (reported by another rank, or it aborted), a
         PeerLostError naming the same ranks and this call, not only the reporter's (its text
         describes that rank's call); else the cause as it is."""
-        return self._naming_call(call, self.cause)  # type: ignore[return-value]
+        c = self.cause
+        if type(c) is not PeerLostError:
+            return c  # type: ignore[return-value]
+        return self._naming_call(call, c)
 
-    def _naming_call(self, call: str, c: _E) -> _E:
-        """(_cause_in's, of cause ``c``; of its type: a PeerLostError stays one.)"""
-        if type(c) is not PeerLostError or not isinstance(c, PeerLostError):  # (mypy's)
-            return c
+    def _naming_call(self, call: str, c: PeerLostError) -> PeerLostError:
+        """Peer loss ``c`` as ``call``, in progress, raises it (see _cause_in)."""
         e = PeerLostError(f"{call} on group {self.name!r} cannot complete on rank "
                           f"{self.rank}: {c}", ranks=c.ranks)
         e.__cause__ = c
-        return e  # type: ignore[return-value]
+        return e
 
     def brk(self, cause: BaseException) -> None:
         if self.state == "open":

@@ -420,7 +420,8 @@ class ZmqEndpoint:
                 s.send(head, zmq.SNDMORE | zmq.DONTWAIT)
                 s.send(payload, zmq.DONTWAIT)
             return
-        big = [memoryview(f).nbytes >= COPY_THRESHOLD for f in frames]
+        sizes = [memoryview(f).nbytes for f in frames]
+        big = [n >= COPY_THRESHOLD for n in sizes]
         if any(big):
             frames = [memoryview(bytes(f)) if b and not w.immutable(f) else f
                       for f, b in zip(frames, big, strict=True)]
@@ -435,9 +436,8 @@ class ZmqEndpoint:
                     if q is None:
                         q = self._queued[dst] = deque()
                         self._queued_bytes[dst] = 0
-                    n = memoryview(f).nbytes
-                    q.append((tracker, n))
-                    self._queued_bytes[dst] += n
+                    q.append((tracker, sizes[i]))
+                    self._queued_bytes[dst] += sizes[i]
                 else:
                     s.send(f, flags)
 
@@ -499,16 +499,21 @@ class ZmqEndpoint:
                 break
         return n
 
+    def _capped(self, timeout: float) -> float:
+        """A wait's ``timeout``, TRACK_POLL_S at most where the core waits for a backlog
+        to go down: nothing wakes it as ZeroMQ sends, so it looks again soon (it asks
+        backlog() again, which sets ``_over`` again while still over; any other wait, once
+        that one ended, is as long as asked)."""
+        if self._over:
+            self._over = False
+            return min(timeout, TRACK_POLL_S)
+        return timeout
+
     def wait(self, timeout: float) -> None:
         """Sleep until a message may be waiting, :meth:`wake` is called or ``timeout``
         seconds pass."""
         bfd = self.bell.fd
-        if self._over:
-            # the core waits for the backlog to go down: nothing wakes it as ZeroMQ sends,
-            # so it looks again soon (it asks backlog() again, which sets this again while
-            # still over; any other wait, once that ended, is as long as asked)
-            self._over = False
-            timeout = min(timeout, TRACK_POLL_S)
+        timeout = self._capped(timeout)
         for s, _ in self._poller.poll(int(min(max(timeout, 0.0), MAX_POLL_S) * 1000 + 0.999)):
             if s == bfd:
                 self.bell.clear()
@@ -529,9 +534,7 @@ class ZmqEndpoint:
             if _turn_due(self):  # (no need to go through the event loop, but for that)
                 await _unheld(self, asyncio.sleep(0))
             return
-        if self._over:  # (as in wait)
-            self._over = False
-            timeout = min(timeout, TRACK_POLL_S)
+        timeout = self._capped(timeout)
         try:
             await _unheld(self, self._readable(timeout))
         finally:
