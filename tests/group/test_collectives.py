@@ -989,7 +989,8 @@ def test_a_large_array_sent_to_many_ranks_is_copied_once(transport):
 def runs_far_ahead_of_a_stopped_receiver(g):
     """Rank 0 broadcasts 24 arrays of 32 MiB (copied as sent: an array may change) to a rank
     that is stopped (SIGSTOP: ZeroMQ's I/O thread there too) until rank 0 wakes it 2.5 s
-    later; then, over another path (the store), rank 0 says it has sent a last large
+    later (and every 0.5 s after, until it has sent them: a wake-up that came before the
+    stop would leave it stopped); then, over another path (the store), rank 0 says it has sent a last large
     object, which rank 1 reads only after that: a call that queues one large object returns
     without waiting for its receiver."""
     import os
@@ -1004,20 +1005,32 @@ def runs_far_ahead_of_a_stopped_receiver(g):
     if g.rank == 0:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         g.barrier(timeout=60)
-        # (started here: rank 1 stops itself as its barrier returns, well before it;
-        # and wakes well within its liveness timeout, 5 s)
-        threading.Timer(2.5, os.kill, (pids[1], signal.SIGCONT)).start()
+        # (told through the store, past the barrier: rank 1, stopped as its barrier
+        # returned, could stop ZeroMQ's I/O thread before it had sent its part: this
+        # barrier then waited for it, and nothing woke it)
+        g.store.set("past", "1")
+        sent = threading.Event()
+
+        def wake():  # (well within its liveness timeout, 5 s)
+            if not sent.wait(2.5):
+                os.kill(pids[1], signal.SIGCONT)
+                while not sent.wait(0.5):
+                    os.kill(pids[1], signal.SIGCONT)
+
+        threading.Thread(target=wake, daemon=True).start()
         time.sleep(0.5)  # (rank 1 stops itself meanwhile)
         a = np.zeros(size // 8)
         for i in range(n):
             a[:] = i
             g.broadcast(a, src=0, timeout=60)
+        sent.set()
         grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / size
         g.barrier(timeout=60)
         g.send(bytearray(64 << 20), dst=1, timeout=60)
         g.store.set("sent", "1")
         return grown
     g.barrier(timeout=60)
+    g.store.wait(["past"], timeout=60)
     os.kill(os.getpid(), signal.SIGSTOP)
     got = [float(g.broadcast(None, src=0, timeout=60)[-1]) for _ in range(n)]
     g.barrier(timeout=60)
