@@ -654,6 +654,15 @@ class Group:
         # once collected: its heartbeat thread, sockets and store port are not kept for ever
         self._finalizer = close_when_dropped(self, _close_parts, core, store, server_key)
 
+    def _keep_server(self, server_key: tuple[str, int]) -> None:
+        """Hold the embedded store ``server_key`` names (taken with :func:`_acquire_server`)
+        until this group is closed or dropped, as a group whose rank 0 hosts its store."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._server_key = server_key
+        self._finalizer = close_when_dropped(self, _close_parts, self._core, self.store,
+                                             server_key)
+
     # ------------------------------------------------------------------ construction
 
     @classmethod

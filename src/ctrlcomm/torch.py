@@ -28,8 +28,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from ._errors import FormationError, FormationTimeoutError, InvalidArgumentError
-from ._group import Group, _bind_address, _host_of, _timeout_arg
-from ._transport import StoreServer, _wildcard, local_address_for, resolve
+from ._group import Group, _acquire_server, _bind_address, _host_of, _release_server, _timeout_arg
+from ._transport import _wildcard, local_address_for, resolve
 
 __all__ = ["group_from_torch", "init_torch_process_group"]
 
@@ -104,13 +104,16 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
         raise InvalidArgumentError("Group.from_torch: this rank is not a member of the group")
     size = dist.get_world_size(pg)
     leader = dist.get_process_group_ranks(pg)[0]
-    server = None
+    served: tuple[str, int] | None = None  # (the leader's store, as _release_server takes it)
     info: list[Any] = [None]
     if rank == 0:
         try:
             host = _leader_host(hostname, t)
             key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
-            server = StoreServer(host, 0, auth_key=key, encrypt=bool(kwargs.get("encrypt")))
+            if isinstance(key, str):
+                key = key.encode()
+            server = _acquire_server(host, 0, key, bool(kwargs.get("encrypt")))
+            served = (host, server.port)
             # (a store on every interface: the members are told this host's address that
             # reaches them, not 0.0.0.0, which would send each to its own host)
             info = [(_default_host(t) if _wildcard(host) else host, server.port)]
@@ -127,10 +130,14 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
         host, port = info[0]
         g = Group.create(host, port, rank, size, name=name, timeout=timeout, host_store=False,
                          **kwargs)
-    finally:
-        # Group.create returns on rank 0 only once every rank has formed: the store is done
-        if server is not None:
-            server.close()
+    except BaseException:
+        if served is not None:
+            _release_server(*served)
+        raise
+    if served is not None:
+        # the leader's group keeps its store, as Group.create's rank 0 does: every rank's
+        # ``group.store`` talks to it until the leader's group is closed
+        g._keep_server(served)
     return g
 
 

@@ -915,6 +915,7 @@ def test_init_torch_process_group_without_global_state():
 
 def from_torch(rank, size, port):
     import os
+    import time
 
     import torch.distributed as dist
 
@@ -924,11 +925,21 @@ def from_torch(rank, size, port):
     dist.init_process_group("gloo", rank=rank, world_size=size)
     sub = dist.new_group([0, 2])
     out = []
-    g = Group.from_torch()
+    g = Group.from_torch(timeout=20)
     out.append((g.rank, g.world_size, g.all_gather(rank)))
+    # the group's store stays served by the leader after formation (it was closed as the
+    # leader's from_torch returned: a call on it waited out the timeout)
+    time.sleep(0.5)
+    if rank == 1:
+        g.store.set("from_torch/k", b"set by 1")
+    g.barrier()
+    out.append(g.store.get("from_torch/k"))
     if rank in (0, 2):
-        s = Group.from_torch(sub)
+        s = Group.from_torch(sub, timeout=20)
         out.append((s.rank, s.world_size, s.all_gather(rank)))
+        s.store.set(f"sub/{rank}", b"x")
+        s.barrier()
+        out.append(s.store.num_keys() >= 2)
         s.close()
     g.close()
     dist.destroy_process_group()
@@ -941,7 +952,9 @@ def test_group_from_torch_and_subgroup():
     res = run_ranks(from_torch, 3, free_port(), timeout=120)
     for r, out in enumerate(res):
         assert out[0] == (r, 3, [0, 1, 2])
-    assert res[0][1] == (0, 2, [0, 2]) and res[2][1] == (1, 2, [0, 2])
+        assert out[1] == b"set by 1", out
+    assert res[0][2] == (0, 2, [0, 2]) and res[2][2] == (1, 2, [0, 2])
+    assert res[0][3] is True and res[2][3] is True
 
 
 def from_torch_leader_fails(rank, size, port):
