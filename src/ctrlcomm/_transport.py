@@ -219,13 +219,52 @@ def curve_available() -> bool:
     return bool(zmq.has("curve"))
 
 
-def store_curve_keys(key: bytes) -> tuple[bytes, bytes]:
+def store_curve_keys(key: bytes, person: bytes = b"ctrlcomm-store") -> tuple[bytes, bytes]:
     """The store's CurveZMQ key pair (public, secret; Z85), derived from the group's shared
     key: every client can then check it talks to the real store, and nothing but the shared
-    key has to be distributed."""
-    seed = hashlib.blake2b(key, person=b"ctrlcomm-store", digest_size=32).digest()
+    key has to be distributed. ``person`` tells apart the pairs of an encrypted store
+    (``encrypt=True``) and a keyed one (:data:`KEYED_STORE`)."""
+    seed = hashlib.blake2b(key, person=person, digest_size=32).digest()
     secret = zmq.utils.z85.encode(seed)
     return zmq.curve_public(secret), secret
+
+
+# With a key and without encryption, a store's ZeroMQ socket still runs CurveZMQ's handshake,
+# with a key pair derived from the key: the server's public key is never sent, so a peer
+# without the key cannot complete the handshake and ZeroMQ takes nothing from it. Without,
+# anyone who reaches the port could make ZeroMQ buffer a message whole before ctrlcomm sees
+# it: one of millions of empty frames grew the process by 32 times what was sent, and taking
+# it apart stalled the store for 37 s. (Its traffic is then encrypted too, as a side effect;
+# the key pair differs from an encrypted store's, so a client that encrypts and a store that
+# does not still do not talk.) A group's sockets with transport="zmq" are left as they are
+# (README, Security): a group's traffic can be large, and encrypt=True is there for it.
+KEYED_STORE = b"ctrlcomm-sauth"
+
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def _handshakes_failed(monitor: zmq.Socket[Any]) -> int:
+    """How many failed handshakes a socket's monitor reports now (its events read)."""
+    n = 0
+    for _ in range(1000):
+        try:
+            frames = monitor.recv_multipart(zmq.DONTWAIT)
+        except zmq.Again:
+            break
+        n += len(frames) == 2  # (an event: its number and value, then the address)
+    return n
+
+
+def _store_curve(key: bytes | None, encrypt: bool) -> bytes | None:
+    """The derivation (``person`` of :func:`store_curve_keys`) of the CurveZMQ key pair a
+    store's socket with this ``key`` runs with: the encrypted store's where ``encrypt``,
+    :data:`KEYED_STORE` where only keyed (and CurveZMQ is there: pyzmq's wheels have it),
+    None for none."""
+    if encrypt:
+        return b"ctrlcomm-store"
+    return KEYED_STORE if key and curve_available() else None
 
 
 def _curve_client(sock: zmq.Socket[Any], server_public: bytes) -> None:
@@ -641,9 +680,10 @@ class StoreConnection:
         self.key = key
         self.sock = context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        if encrypt:
+        person = _store_curve(key, encrypt)
+        if person is not None:
             assert key, "encryption needs the shared key"
-            _curve_client(self.sock, store_curve_keys(key)[0])
+            _curve_client(self.sock, store_curve_keys(key, person)[0])
         # a fixed identity across reconnections lets the server recognise a resent request
         self.sock.setsockopt(zmq.ROUTING_ID, b"c" + os.urandom(15))
         self.addr = _tcp(host, port)
@@ -757,6 +797,10 @@ class StoreServer:
             interface's name, or a host name (looked up within ``lookup_timeout`` seconds;
             :class:`StoreTimeoutError` past it).
         port: port to bind; 0 picks a free one (see :attr:`port`).
+        auth_key: the shared key: requests and replies then carry a MAC, and a ZeroMQ peer
+            without it cannot complete the handshake (counted in :attr:`dropped`, with the
+            requests dropped as malformed or unauthenticated).
+        encrypt: CurveZMQ encryption, for groups made with ``encrypt=True`` (needs the key).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -774,9 +818,10 @@ class StoreServer:
         self.encrypt = encrypt
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        if encrypt:
+        person = _store_curve(self.key, encrypt)
+        if person is not None:
             assert self.key
-            _curve_server(self.sock, store_curve_keys(self.key)[1])
+            _curve_server(self.sock, store_curve_keys(self.key, person)[1])
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, w.STORE_MAX_FRAME)  # (see there)
         if listen_socket is not None:
@@ -824,6 +869,12 @@ class StoreServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        # a keyed store counts the connections whose handshake failed (a peer without the
+        # key, or with another): ZeroMQ drops them before anything reaches this loop
+        monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED) if self.key and \
+            self.sock.getsockopt(zmq.MECHANISM) == zmq.CURVE else None
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         st = self.state
         try:
             while not self._stop:
@@ -833,6 +884,8 @@ class StoreServer:
                 events = dict(poller.poll(timeout))
                 if self._wake_rx in events:
                     break
+                if monitor is not None and monitor in events:
+                    self.dropped += _handshakes_failed(monitor)
                 replies = st.expire(time.monotonic())
                 if self.sock in events:
                     for _ in range(1000):
@@ -862,6 +915,9 @@ class StoreServer:
                     except zmq.ZMQError:
                         st.forget_peer(peer)
         finally:
+            if monitor is not None:
+                self.sock.disable_monitor()
+                monitor.close(0)
             self.sock.close(0)
             self._wake_rx.close(0)
 

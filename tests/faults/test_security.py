@@ -623,29 +623,35 @@ def test_a_rank_cannot_speak_for_another_on_its_connection(key):
     assert res[0] == ["rank 2's own", "rank 1's own", "nothing more", 1, 3], res[0]
 
 
-def _zmtp_null_connect(port):
+def _zmtp_null_connect(port, kind=b"DEALER"):
     """A raw ZeroMQ (ZMTP 3.0, NULL mechanism) peer, as anyone on the network can be: a
-    DEALER that has said hello, with plain socket calls (so that a frame can be left open)."""
+    socket of ``kind`` that has said hello, with plain socket calls (so that a frame can be
+    left open)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00")
-              + b"\x00" * 32)
-    got = b""
-    while len(got) < 64:
-        chunk = s.recv(64 - len(got))
-        assert chunk, "closed during the greeting"
-        got += chunk
-    name, kind = b"Socket-Type", b"DEALER"
+    try:
+        s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00")
+                  + b"\x00" * 32)
+        got = b""
+        while len(got) < 64:
+            chunk = s.recv(64 - len(got))
+            assert chunk, "closed during the greeting"
+            got += chunk
+    except BaseException:
+        s.close()
+        raise
+    name = b"Socket-Type"
     body = b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(kind)) + kind
     s.sendall(b"\x04" + bytes([len(body)]) + body)
     return s
 
 
 def test_a_store_drops_a_connection_that_declares_a_frame_longer_than_a_request_takes():
-    """(Before: the store's socket took frames of any length: one connection without the key
-    sending a frame declared 8 GiB made the store's process buffer all it sent, 1 GiB in
-    the reviewer's run, toward a request it would drop.) A value over the limit is refused
-    by the client before it is sent."""
-    with ctrlcomm.StoreServer("127.0.0.1", 0, auth_key=KEY) as srv:
+    """(Before: the store's socket took frames of any length: one connection sending a frame
+    declared 8 GiB made the store's process buffer all it sent, 1 GiB in the reviewer's
+    run, toward a request it would drop.) A value over the limit is refused by the client
+    before it is sent. (A store without a key: one with a key refuses such a peer at its
+    handshake, below.)"""
+    with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
         s = _zmtp_null_connect(srv.port)
         s.sendall(b"\x03" + struct.pack(">Q", 8 << 30))  # (MORE, LONG: 8 GiB follow)
         closed, chunk = False, b"\x00" * (1 << 16)
@@ -657,7 +663,7 @@ def test_a_store_drops_a_connection_that_declares_a_frame_longer_than_a_request_
                 closed = True
         s.close()
         assert closed, "the store kept taking the frame"
-        c = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key=KEY, timeout=10)
+        c = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=10)
         c.set("k", b"v" * (16 << 20))  # (the longest value still goes)
         assert len(c.get("k")) == 16 << 20
         with pytest.raises(ctrlcomm.InvalidArgumentError, match="over the store's limit"):
@@ -668,3 +674,53 @@ def test_a_store_drops_a_connection_that_declares_a_frame_longer_than_a_request_
         with pytest.raises(ctrlcomm.InvalidArgumentError, match="a value of"):  # the key)
             c.append("k", "v")  # (a value grown past the limit: said without naming an op)
         c.close()
+
+
+def _zmtp_null_refused(port, kind=b"DEALER"):
+    """Whether a ZeroMQ peer without a key (ZMTP's NULL mechanism; a socket of ``kind``) is
+    refused at its handshake: closed before it could send a frame; False where it got in."""
+    try:
+        s = _zmtp_null_connect(port, kind)
+    except (AssertionError, OSError):
+        return True
+    try:  # (in: a message of a million empty frames, as ZeroMQ buffers whole messages)
+        s.sendall(b"\x01\x00" * 1_000_000 + b"\x00\x00")
+        time.sleep(0.3)
+        s.sendall(b"\x00\x00")
+        return False
+    except OSError:
+        return True
+    finally:
+        s.close()
+
+
+def test_a_keyed_store_refuses_a_zeromq_peer_without_the_key_at_its_handshake():
+    """(Before: a keyed store's ZeroMQ socket took any ZMTP peer's messages, and ZeroMQ
+    buffers a message whole before ctrlcomm sees it: one of millions of empty frames, 40
+    MiB sent, grew the store's process to 1.28 GB and stalled it 37 s.) With a key, its
+    handshake needs the key; without one it takes anyone, as the README says (checked too,
+    so that the test can fail), and so does a group's socket with transport="zmq" and
+    without encrypt=True (README, Security), with a key or not; with encrypt=True it needs
+    the key pair the rank published."""
+    with ctrlcomm.StoreServer("127.0.0.1", 0, auth_key=KEY) as srv:
+        assert _zmtp_null_refused(srv.port)
+        c = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key=KEY, timeout=10)
+        c.set("k", "v")  # (the store serves whoever has the key)
+        assert c.get("k") == b"v"
+        wrong = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key="other", timeout=1)
+        with pytest.raises(ctrlcomm.StoreTimeoutError, match="another auth_key"):
+            wrong.get("k")
+        deadline = time.monotonic() + 5
+        while srv.dropped < 2 and time.monotonic() < deadline:  # (counted: both refused)
+            time.sleep(0.05)
+        assert srv.dropped >= 2
+        c.close()
+        wrong.close()
+    with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
+        assert not _zmtp_null_refused(srv.port)
+    for key, encrypt in ((KEY, True), (KEY, False), (None, False)):
+        with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, transport="zmq",
+                                   auth_key=key, encrypt=encrypt, timeout=10) as g:
+            port = int(g._core.ep.address.rsplit(":", 1)[1])
+            assert _zmtp_null_refused(port, b"PUSH") is encrypt, (key, encrypt)
+            assert g.all_reduce(3) == 3
