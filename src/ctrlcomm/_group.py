@@ -862,8 +862,9 @@ class Group:
                 if server is not None and server.dropped > dropped and e.args:
                     # what a rank with another auth_key (or none) sent: it waits, unanswered
                     e.args = (f"{e.args[0]} (the store here dropped "
-                              f"{server.dropped - dropped} requests it could not authenticate "
-                              "meanwhile: is a rank created with another auth_key, or none?)",)
+                              f"{server.dropped - dropped} requests or connections it could "
+                              "not authenticate meanwhile: is a rank created with another "
+                              "auth_key, or none?)",)
                 if server is not None and e.missing and e.args \
                         and ipaddress.ip_address(store_address).is_loopback:
                     # (vLLM's TCPStore listens on every interface whatever its host: a rank

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -241,8 +242,28 @@ def store_curve_keys(key: bytes, person: bytes = b"ctrlcomm-store") -> tuple[byt
 KEYED_STORE = b"ctrlcomm-sauth"
 
 
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# The handshakes a store counts as failed: a peer that speaks another mechanism (no key), or
+# whose CurveZMQ boxes do not open (another key). Not those cut short (no detail: a port
+# scan, a client gone mid-handshake).
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+def _monitor(sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any] | None:
+    """A monitor of ``events`` on ``sock`` (at an address of this process's own: pyzmq's
+    default names it by descriptor, which a socket closed just before may still hold), or
+    None where ZeroMQ cannot make one (out of descriptors, say): then nothing is counted."""
+    try:
+        return sock.get_monitor_socket(
+            events, addr=f"inproc://ctrlcomm-monitor-{next(_store_ids)}-{os.getpid()}")
+    except zmq.ZMQError:
+        return None
+
+
+def _close_monitor(sock: zmq.Socket[Any], monitor: zmq.Socket[Any] | None) -> None:
+    if monitor is not None:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(0)
 
 
 def _handshakes_failed(monitor: zmq.Socket[Any]) -> int:
@@ -665,6 +686,31 @@ class ZmqEndpoint:
 STORE_RESEND_S = 1.0
 
 
+# How long a keyed client waits for a store's greeting (see _zmtp_mechanism) at most.
+PROBE_S = 0.5
+
+
+def _zmtp_mechanism(host: str, port: int, timeout: float) -> bytes | None:
+    """The security mechanism a ZeroMQ socket at ``host:port`` announces in its greeting
+    (``b"NULL"``, ``b"CURVE"``), or None where it says none within ``timeout`` seconds.
+    Only ZMTP's signature and major version are sent: the peer sends its greeting, and the
+    connection ends before a mechanism is spoken (nothing is taken, nothing is counted)."""
+    try:
+        with socket.create_connection((host, port), timeout=max(timeout, 0.001)) as s:
+            s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03")
+            got = b""
+            while len(got) < 32:
+                chunk = s.recv(64 - len(got))
+                if not chunk:
+                    return None
+                got += chunk
+    except (OSError, ValueError):  # (refused, timed out, reset; an unusable host)
+        return None
+    if got[0] != 0xFF or got[10] < 3:
+        return None
+    return got[12:32].rstrip(b"\x00")
+
+
 def _plain_reply(frames: Sequence[Any], req_id: int) -> bool:
     try:
         return w.decode_store_reply(frames).req_id == req_id
@@ -681,6 +727,9 @@ class StoreConnection:
         self.sock = context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         person = _store_curve(key, encrypt)
+        # (a keyed client's handshake with a store without a key fails, unanswered: such a
+        # store is looked for while a request waits, and said at once; see request)
+        self._probe = (host, port) if person == KEYED_STORE else None
         if person is not None:
             assert key, "encryption needs the shared key"
             _curve_client(self.sock, store_curve_keys(key, person)[0])
@@ -721,11 +770,21 @@ class StoreConnection:
             if now >= deadline:
                 return None
             if now >= resend_at:
+                if self._probe is not None:
+                    # unanswered: a store without a key (which its greeting names) never
+                    # completes this client's handshake
+                    mechanism = _zmtp_mechanism(*self._probe, min(PROBE_S, deadline - now))
+                    if mechanism == b"NULL":
+                        raise StoreError(f"the store at {self.addr} answers without "
+                                         "authentication: it runs without this group's "
+                                         "auth_key")
+                    if mechanism is not None:
+                        self._probe = None  # (it runs with a key: another one, or none yet)
                 try:
                     self.sock.send_multipart(frames, zmq.DONTWAIT)
                 except zmq.Again:
                     pass
-                resend_at = now + STORE_RESEND_S
+                resend_at = time.monotonic() + STORE_RESEND_S
             wait = min(deadline, resend_at) - now
             ready = dict(self._poller.poll(min(max(1, int(wait * 1000)), MAX_POLL_MS)))
             if not ready:
@@ -740,6 +799,7 @@ class StoreConnection:
                 rep = w.decode_store_reply(got[1:], self.key)
             except WireError:
                 if self.key and _plain_reply(got[1:], req.req_id):
+                    # (where CurveZMQ is missing, and a keyed client's store runs plain)
                     raise StoreError(f"the store at {self.addr} answers without "
                                      "authentication: it runs without this group's auth_key"
                                      ) from None
@@ -852,11 +912,23 @@ class StoreServer:
         self.port = int(self.sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self.state = StoreState()
         self.dropped = 0
+        # a keyed store counts the connections whose handshake failed (a peer without the
+        # key, or with another): ZeroMQ drops them before anything reaches _serve
+        self._monitor = _monitor(self.sock, HANDSHAKE_FAILED) if person is not None else None
         # (a counter, not id(self): a closed server's id is soon another's, while its
         # inproc address may not be released yet)
         self._wake_addr = f"inproc://ctrlcomm-store-{next(_store_ids)}-{os.getpid()}"
-        self._wake_rx = ctx.socket(zmq.PULL)
-        self._wake_rx.bind(self._wake_addr)
+        try:  # (out of descriptors, say: the port is not kept bound by a store never served)
+            self._wake_rx = ctx.socket(zmq.PULL)
+            try:
+                self._wake_rx.bind(self._wake_addr)
+            except BaseException:
+                self._wake_rx.close(0)
+                raise
+        except BaseException:
+            _close_monitor(self.sock, self._monitor)
+            self.sock.close(0)
+            raise
         self._stop = False
         self._thread = threading.Thread(target=self._serve, name=f"ctrlcomm-store:{self.port}",
                                          daemon=True)
@@ -869,10 +941,7 @@ class StoreServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
-        # a keyed store counts the connections whose handshake failed (a peer without the
-        # key, or with another): ZeroMQ drops them before anything reaches this loop
-        monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED) if self.key and \
-            self.sock.getsockopt(zmq.MECHANISM) == zmq.CURVE else None
+        monitor = self._monitor
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
         st = self.state
@@ -915,9 +984,7 @@ class StoreServer:
                     except zmq.ZMQError:
                         st.forget_peer(peer)
         finally:
-            if monitor is not None:
-                self.sock.disable_monitor()
-                monitor.close(0)
+            _close_monitor(self.sock, monitor)
             self.sock.close(0)
             self._wake_rx.close(0)
 

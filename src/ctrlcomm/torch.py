@@ -106,23 +106,23 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
     leader = dist.get_process_group_ranks(pg)[0]
     served: tuple[str, int] | None = None  # (the leader's store, as _release_server takes it)
     info: list[Any] = [None]
-    if rank == 0:
-        try:
-            host = _leader_host(hostname, t)
-            key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
-            if isinstance(key, str):
-                key = key.encode()
-            server = _acquire_server(host, 0, key, bool(kwargs.get("encrypt")))
-            served = (host, server.port)
-            # (a store on every interface: the members are told this host's address that
-            # reaches them, not 0.0.0.0, which would send each to its own host)
-            info = [(_default_host(t) if _wildcard(host) else host, server.port)]
-        except Exception as e:
-            # the others wait for the address in the broadcast below, up to torch's timeout
-            # (30 minutes by default): they are told instead
-            dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=leader, group=pg)
-            raise
     try:
+        if rank == 0:
+            try:
+                host = _leader_host(hostname, t)
+                key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
+                if isinstance(key, str):
+                    key = key.encode()
+                server = _acquire_server(host, 0, key, bool(kwargs.get("encrypt")))
+                served = (host, server.port)
+                # (a store on every interface: the members are told this host's address
+                # that reaches them, not 0.0.0.0, which would send each to its own host)
+                info = [(_default_host(t) if _wildcard(host) else host, server.port)]
+            except Exception as e:
+                # the others wait for the address in the broadcast below, up to torch's
+                # timeout (30 minutes by default): they are told instead
+                dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=leader, group=pg)
+                raise
         dist.broadcast_object_list(info, src=leader, group=pg)
         if isinstance(info[0], str):
             raise FormationError(f"Group.from_torch: the group's leader (global rank {leader}) "
@@ -131,7 +131,7 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
         g = Group.create(host, port, rank, size, name=name, timeout=timeout, host_store=False,
                          **kwargs)
     except BaseException:
-        if served is not None:
+        if served is not None:  # (the leader's store, taken: given back)
             _release_server(*served)
         raise
     if served is not None:

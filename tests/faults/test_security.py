@@ -718,6 +718,14 @@ def test_a_keyed_store_refuses_a_zeromq_peer_without_the_key_at_its_handshake():
         wrong.close()
     with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
         assert not _zmtp_null_refused(srv.port)
+        # a keyed client of a store without a key is told so, not left to its deadline
+        # (its handshake fails unanswered; the store's greeting names its mechanism)
+        keyed = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key=KEY, timeout=30)
+        t = time.monotonic()
+        with pytest.raises(ctrlcomm.StoreError, match="runs without this group's auth_key"):
+            keyed.get("k")
+        assert time.monotonic() - t < 10
+        keyed.close()
     for key, encrypt in ((KEY, True), (KEY, False), (None, False)):
         with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, transport="zmq",
                                    auth_key=key, encrypt=encrypt, timeout=10) as g:

@@ -1505,6 +1505,27 @@ def test_ranks_created_with_different_auth_keys_are_told_it_may_be_that(keys):
             "runs with an auth_key, and this rank has none") in r1, r1
 
 
+def created_with_key_of_a_store_without(rank, size, port):
+    t = time.monotonic()
+    try:
+        ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30 if rank else 3,
+                              auth_key=b"k1" if rank else None)
+    except ctrlcomm.CtrlcommError as e:
+        return type(e).__name__, str(e), time.monotonic() - t
+    return "formed"
+
+
+def test_a_rank_with_a_key_is_told_at_once_that_rank_0s_store_has_none():
+    """(Found in review: once a keyed store ran CurveZMQ's handshake, a keyed rank's
+    handshake with a store without a key failed unanswered, and it waited out its whole
+    deadline to be told that rank 0 did not come; before, the store's unsigned reply said
+    it at once.)"""
+    r0, r1 = run_ranks(created_with_key_of_a_store_without, 2, free_port(), timeout=60)
+    assert r1[0] == "StoreError" and "runs without this group's auth_key" in r1[1], r1
+    assert r1[2] < 15, r1
+    assert r0[0] == "FormationTimeoutError", r0
+
+
 def test_a_timeout_given_as_a_str_is_refused():
     """(before: barrier(timeout="5") and a store get(timeout="5") took it as 5 s)"""
     with ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, timeout=5) as g:
