@@ -695,11 +695,16 @@ def _zmtp_mechanism(host: str, port: int, timeout: float) -> bytes | None:
     (``b"NULL"``, ``b"CURVE"``), or None where it says none within ``timeout`` seconds.
     Only ZMTP's signature and major version are sent: the peer sends its greeting, and the
     connection ends before a mechanism is spoken (nothing is taken, nothing is counted)."""
+    deadline = time.monotonic() + timeout
     try:
         with socket.create_connection((host, port), timeout=max(timeout, 0.001)) as s:
             s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03")
             got = b""
             while len(got) < 32:
+                left = deadline - time.monotonic()
+                if left <= 0:  # (one deadline in all: a peer may send a byte at a time)
+                    return None
+                s.settimeout(left)
                 chunk = s.recv(64 - len(got))
                 if not chunk:
                     return None
@@ -777,14 +782,21 @@ class StoreConnection:
                     if mechanism == b"NULL":
                         raise StoreError(f"the store at {self.addr} answers without "
                                          "authentication: it runs without this group's "
-                                         "auth_key")
+                                         "auth_key (or, where it has the key, without "
+                                         "CurveZMQ, which a keyed store of this version runs)")
                     if mechanism is not None:
                         self._probe = None  # (it runs with a key: another one, or none yet)
+                    now = time.monotonic()  # (the look took time: the wait below is shorter)
+                    if self.rung:
+                        raise StoreError(f"the store client of {self.addr} was closed (by "
+                                         "another thread) while this request waited")
+                    if now >= deadline:
+                        return None
                 try:
                     self.sock.send_multipart(frames, zmq.DONTWAIT)
                 except zmq.Again:
                     pass
-                resend_at = time.monotonic() + STORE_RESEND_S
+                resend_at = now + STORE_RESEND_S
             wait = min(deadline, resend_at) - now
             ready = dict(self._poller.poll(min(max(1, int(wait * 1000)), MAX_POLL_MS)))
             if not ready:
@@ -932,7 +944,13 @@ class StoreServer:
         self._stop = False
         self._thread = threading.Thread(target=self._serve, name=f"ctrlcomm-store:{self.port}",
                                          daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # ("can't start new thread")
+            _close_monitor(self.sock, self._monitor)
+            self.sock.close(0)
+            self._wake_rx.close(0)
+            raise
 
     def __repr__(self) -> str:
         return f"StoreServer({self.host!r}, {self.port})"

@@ -1,5 +1,6 @@
 """Authentication, replay, the data-only codec, bind hygiene, garbage on every socket."""
 
+import contextlib
 import gc
 import logging
 import os
@@ -732,3 +733,44 @@ def test_a_keyed_store_refuses_a_zeromq_peer_without_the_key_at_its_handshake():
             port = int(g._core.ep.address.rsplit(":", 1)[1])
             assert _zmtp_null_refused(port, b"PUSH") is encrypt, (key, encrypt)
             assert g.all_reduce(3) == 3
+
+
+def test_a_keyed_request_keeps_its_deadline_where_the_store_port_never_greets():
+    """A keyed client looks at an unanswering store's greeting (see the test above); where
+    none comes (a port that accepts and says nothing, or sends a byte at a time), the
+    request still ends at its deadline. (Found in review: the wait after the look slept
+    the look's time past the deadline, and a peer sending a byte every 0.4 s held a 3 s
+    request for 15 s.)"""
+    quiet = socket.socket()
+    quiet.bind(("127.0.0.1", 0))
+    quiet.listen()
+    port = quiet.getsockname()[1]
+    conns = []
+    stop = threading.Event()
+
+    def drip():  # (each connection gets a byte of a greeting every 0.4 s)
+        quiet.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                conns.append(quiet.accept()[0])
+            for c in conns:
+                with contextlib.suppress(OSError):
+                    c.send(b"\xff")
+            stop.wait(0.4)
+
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    c = ctrlcomm.StoreClient("127.0.0.1", port, auth_key=KEY, timeout=1.5)
+    try:
+        for _ in range(2):
+            start = time.monotonic()
+            with pytest.raises(ctrlcomm.StoreTimeoutError):
+                c.set("k", "v")
+            assert time.monotonic() - start < 1.85
+    finally:
+        stop.set()
+        t.join()
+        c.close()
+        for s in conns:
+            s.close()
+        quiet.close()
