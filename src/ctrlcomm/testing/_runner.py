@@ -419,7 +419,9 @@ def run_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     from .._transport import StoreServer
 
     gk = group_kwargs or {}
-    with StoreServer("127.0.0.1", 0, auth_key=gk.get("auth_key"),
-                     encrypt=bool(gk.get("encrypt"))) as srv:
+    key = gk.get("auth_key")
+    if key is None:  # (as Group.create takes it: CTRLCOMM_AUTH_KEY, where it is set)
+        key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
+    with StoreServer("127.0.0.1", 0, auth_key=key, encrypt=bool(gk.get("encrypt"))) as srv:
         return run_ranks(_group_child, world_size, fn, srv.port, group_kwargs or {}, args,
                          timeout=timeout)
