@@ -648,15 +648,15 @@ class Group:
         self._core = core
         self.store = store
         self._server = server
-        self._server_key = server_key
         self._aio: weakref.ref[AioGroup] | None = None
-        # a group dropped without close() (vLLM's StatelessProcessGroup has none) is closed
-        # once collected: its heartbeat thread, sockets and store port are not kept for ever
-        self._finalizer = close_when_dropped(self, _close_parts, core, store, server_key)
+        self._keep_server(server_key)
 
-    def _keep_server(self, server_key: tuple[str, int]) -> None:
-        """Hold the embedded store ``server_key`` names (taken with :func:`_acquire_server`)
-        until this group is closed or dropped, as a group whose rank 0 hosts its store."""
+    def _keep_server(self, server_key: tuple[str, int] | None) -> None:
+        """Hold the embedded store ``server_key`` names (taken with :func:`_acquire_server`;
+        None: none) until this group is closed or dropped. A group dropped without close()
+        (vLLM's StatelessProcessGroup has none) is closed once collected: its heartbeat
+        thread, sockets and store port are not kept for ever. (Group.from_torch's leader
+        calls it again, with the store it served the group's formation from.)"""
         if self._finalizer is not None:
             self._finalizer.detach()
         self._server_key = server_key

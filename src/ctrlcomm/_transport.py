@@ -220,7 +220,10 @@ def curve_available() -> bool:
     return bool(zmq.has("curve"))
 
 
-def store_curve_keys(key: bytes, person: bytes = b"ctrlcomm-store") -> tuple[bytes, bytes]:
+ENCRYPTED_STORE = b"ctrlcomm-store"  # (the derivation of an encrypted store's key pair)
+
+
+def store_curve_keys(key: bytes, person: bytes = ENCRYPTED_STORE) -> tuple[bytes, bytes]:
     """The store's CurveZMQ key pair (public, secret; Z85), derived from the group's shared
     key: every client can then check it talks to the real store, and nothing but the shared
     key has to be distributed. ``person`` tells apart the pairs of an encrypted store
@@ -284,7 +287,7 @@ def _store_curve(key: bytes | None, encrypt: bool) -> bytes | None:
     :data:`KEYED_STORE` where only keyed (and CurveZMQ is there: pyzmq's wheels have it),
     None for none."""
     if encrypt:
-        return b"ctrlcomm-store"
+        return ENCRYPTED_STORE
     return KEYED_STORE if key and curve_available() else None
 
 
