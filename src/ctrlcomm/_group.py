@@ -814,6 +814,9 @@ class Group:
             except TimeoutError as e:
                 raise FormationTimeoutError(f"{late}: bind_host: {e}") from None
         server = _acquire_server(store_address, port, key, encrypt) if host_store else None
+        # (counted from here, not from the rendezvous: a peer without the key fails its
+        # handshake once, as it connects, and ZeroMQ does not try it again)
+        dropped = server.dropped if server is not None else 0
         store = ep = hb = None
         try:
             store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/",
@@ -854,7 +857,6 @@ class Group:
             me = " ".join(filter(None, (address, str(hb.port), local,
                                         "curve:" + curve.decode() if curve else "", proc, alike,
                                         "join:" + os.urandom(6).hex())))
-            dropped = server.dropped if server is not None else 0
             try:
                 nonce, table = _rendezvous(store, me, rank, world_size, name, deadline,
                                            rank0_hosts=rank0_hosts)

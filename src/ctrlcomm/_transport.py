@@ -689,20 +689,29 @@ class ZmqEndpoint:
 STORE_RESEND_S = 1.0
 
 
-# How long a keyed client waits for a store's greeting (see _zmtp_mechanism) at most.
+# How long a client waits for a store's greeting (see _zmtp_mechanism) at most.
 PROBE_S = 0.5
 
+# ZMTP 3.0's greeting of a client of the NULL mechanism (signature, version, mechanism,
+# as-server, filler: 64 bytes).
+NULL_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") \
+    + b"\x00" * 32
 
-def _zmtp_mechanism(host: str, port: int, timeout: float) -> bytes | None:
+
+def _zmtp_mechanism(host: str, port: int, timeout: float, null: bool = False) -> bytes | None:
     """The security mechanism a ZeroMQ socket at ``host:port`` announces in its greeting
     (``b"NULL"``, ``b"CURVE"``), or None where it says none within ``timeout`` seconds.
     Only ZMTP's signature and major version are sent: the peer sends its greeting, and the
-    connection ends before a mechanism is spoken (nothing is taken, nothing is counted)."""
+    connection ends before a mechanism is spoken (nothing is taken, nothing is counted).
+    With ``null``, where the peer's mechanism is another, the rest of a NULL client's
+    greeting follows, and the peer is given the rest of the ``timeout`` to end the
+    connection: it has then seen a client without its key (a keyed store counts it in its
+    ``dropped``)."""
     deadline = time.monotonic() + timeout
+    got = b""
     try:
         with socket.create_connection((host, port), timeout=max(timeout, 0.001)) as s:
-            s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03")
-            got = b""
+            s.sendall(NULL_GREETING[:11])
             while len(got) < 32:
                 left = deadline - time.monotonic()
                 if left <= 0:  # (one deadline in all: a peer may send a byte at a time)
@@ -712,8 +721,15 @@ def _zmtp_mechanism(host: str, port: int, timeout: float) -> bytes | None:
                 if not chunk:
                     return None
                 got += chunk
+            if null and got[0] == 0xFF and got[12:32].rstrip(b"\x00") != b"NULL":
+                s.sendall(NULL_GREETING[11:])
+                while (left := deadline - time.monotonic()) > 0:
+                    s.settimeout(left)
+                    if not s.recv(4096):  # (the peer ended it: it saw the mechanism differ)
+                        break
     except (OSError, ValueError):  # (refused, timed out, reset; an unusable host)
-        return None
+        if len(got) < 32:
+            return None
     if got[0] != 0xFF or got[10] < 3:
         return None
     return got[12:32].rstrip(b"\x00")
@@ -735,9 +751,11 @@ class StoreConnection:
         self.sock = context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         person = _store_curve(key, encrypt)
-        # (a keyed client's handshake with a store without a key fails, unanswered: such a
-        # store is looked for while a request waits, and said at once; see request)
-        self._probe = (host, port) if person == KEYED_STORE else None
+        # (a keyed client's handshake with a store without a key fails, unanswered, as does
+        # a client's without a key with a store with one (where ZeroMQ saw the mechanism
+        # differ on this side first, it does not even try again): such a store is looked
+        # for while a request waits, and said at once; see request)
+        self._probe = (host, port) if person == KEYED_STORE or not (key or encrypt) else None
         if person is not None:
             assert key, "encryption needs the shared key"
             _curve_client(self.sock, store_curve_keys(key, person)[0])
@@ -771,7 +789,10 @@ class StoreConnection:
         if self.rung:
             raise StoreError(f"the store client of {self.addr} was closed")
         frames = [b"", *w.encode_store_request(req, self.key)]
-        self.sock.send_multipart(frames, zmq.DONTWAIT)
+        try:
+            self.sock.send_multipart(frames, zmq.DONTWAIT)
+        except zmq.Again:  # (no connection to queue it on: one ZeroMQ gave up, see above)
+            pass
         resend_at = time.monotonic() + STORE_RESEND_S
         while True:
             now = time.monotonic()
@@ -780,15 +801,23 @@ class StoreConnection:
             if now >= resend_at:
                 if self._probe is not None:
                     # unanswered: a store without a key (which its greeting names) never
-                    # completes this client's handshake
-                    mechanism = _zmtp_mechanism(*self._probe, min(PROBE_S, deadline - now))
-                    if mechanism == b"NULL":
+                    # completes a keyed client's handshake, nor a store with one (or with
+                    # encryption) a client's without
+                    keyed = self.key is not None
+                    mechanism = _zmtp_mechanism(*self._probe, min(PROBE_S, deadline - now),
+                                                null=not keyed)
+                    if keyed and mechanism == b"NULL":
                         raise StoreError(f"the store at {self.addr} answers without "
                                          "authentication: it runs without this group's "
                                          "auth_key (or, where it has the key, without "
                                          "CurveZMQ, which a keyed store of this version runs)")
+                    if not keyed and mechanism not in (None, b"NULL"):
+                        raise StoreError(f"the store at {self.addr} runs with an auth_key, "
+                                         "or encryption, and this client has neither: it "
+                                         "answers nothing unauthenticated")
                     if mechanism is not None:
-                        self._probe = None  # (it runs with a key: another one, or none yet)
+                        self._probe = None  # (the store runs as this client does, or, where
+                        # keyed, with another key, or none yet)
                     now = time.monotonic()  # (the look took time: the wait below is shorter)
                     if self.rung:
                         raise StoreError(f"the store client of {self.addr} was closed (by "

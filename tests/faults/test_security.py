@@ -15,6 +15,7 @@ import pytest
 
 import ctrlcomm
 from ctrlcomm import _wire as w
+from ctrlcomm._transport import _zmtp_mechanism
 from ctrlcomm.testing import free_port, run_group, run_ranks
 
 KEY = "s3cret-key-for-tests"
@@ -127,7 +128,7 @@ def test_store_with_key_ignores_clients_without_it():
         good.set("k", "v")
         assert good.get("k") == b"v"
         bad = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=1)
-        with pytest.raises(ctrlcomm.StoreTimeoutError):
+        with pytest.raises(ctrlcomm.StoreError):  # (see the test of a client without)
             bad.get("k")
         wrong = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key="other", timeout=1)
         with pytest.raises(ctrlcomm.StoreTimeoutError):
@@ -735,8 +736,55 @@ def test_a_keyed_store_refuses_a_zeromq_peer_without_the_key_at_its_handshake():
             assert g.all_reduce(3) == 3
 
 
-def test_a_keyed_request_keeps_its_deadline_where_the_store_port_never_greets():
-    """A keyed client looks at an unanswering store's greeting (see the test above); where
+@pytest.mark.parametrize("encrypt", [False, True], ids=["keyed", "encrypted"])
+def test_a_client_without_the_key_is_told_at_once_and_counted_by_the_store(encrypt):
+    """A client without a key of a store with one (or with encryption): its handshake fails
+    unanswered, and where ZeroMQ saw the mechanism differ on the client's side first, it
+    never tries again. (Before: the request waited out its whole deadline, 300 s by
+    default, and such a store could count nothing of it, so that rank 0 could not say a
+    rank without the key had come.) The store's greeting names its mechanism: the client
+    raises at its first look, and the store has seen, and counted, a client without the
+    key."""
+    with ctrlcomm.StoreServer("127.0.0.1", 0, auth_key=KEY, encrypt=encrypt) as srv:
+        good = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key=KEY, encrypt=encrypt,
+                                    timeout=10)
+        good.set("k", "v")
+        bad = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=30)
+        for call in (lambda: bad.get("k"), lambda: bad.set("k", "evil")):
+            t = time.monotonic()
+            with pytest.raises(ctrlcomm.StoreError, match="runs with an auth_key, or "
+                               "encryption, and this client has neither") as e:
+                call()
+            assert not isinstance(e.value, ctrlcomm.StoreTimeoutError)
+            assert time.monotonic() - t < 10
+        assert srv.dropped >= 1
+        # (a client's look counts once more itself: shown apart from ZeroMQ's own attempts)
+        before = srv.dropped
+        assert _zmtp_mechanism("127.0.0.1", srv.port, 5, null=True) == b"CURVE"
+        deadline = time.monotonic() + 5
+        while srv.dropped == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.dropped == before + 1
+        assert _zmtp_mechanism("127.0.0.1", srv.port, 5) == b"CURVE"  # (only a look)
+        time.sleep(0.3)
+        assert srv.dropped == before + 1
+        assert good.get("k") == b"v"  # (the store is as it was)
+        for c in (good, bad):
+            c.close()
+    with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:  # (a store without: no look misfires)
+        c = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=10)
+        other = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=5)
+        late = threading.Timer(1.6, lambda: other.set("late", "x"))
+        late.start()
+        assert c.get("late") == b"x"  # (unanswered for 1.6 s: looked at once, and waited on)
+        late.join()
+        c.close()
+        other.close()
+
+
+@pytest.mark.parametrize("key", [KEY, None], ids=["keyed", "unkeyed"])
+def test_a_request_keeps_its_deadline_where_the_store_port_never_greets(key):
+    """A client looks at an unanswering store's greeting (see the tests above); where
     none comes (a port that accepts and says nothing, or sends a byte at a time), the
     request still ends at its deadline. (Found in review: the wait after the look slept
     the look's time past the deadline, and a peer sending a byte every 0.4 s held a 3 s
@@ -760,7 +808,7 @@ def test_a_keyed_request_keeps_its_deadline_where_the_store_port_never_greets():
 
     t = threading.Thread(target=drip, daemon=True)
     t.start()
-    c = ctrlcomm.StoreClient("127.0.0.1", port, auth_key=KEY, timeout=1.5)
+    c = ctrlcomm.StoreClient("127.0.0.1", port, auth_key=key, timeout=1.5)
     try:
         for _ in range(2):
             start = time.monotonic()
