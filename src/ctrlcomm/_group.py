@@ -501,6 +501,10 @@ def _published(agent: Any, key: str, tried: str | None, deadline: float) -> str 
         try:
             agent.set_timeout(timedelta(seconds=left))
             address = agent.get(key).decode()
+        except StoreTimeoutError:
+            return None
+        except StoreError:  # (ctrlcomm's client, told why: a store with a key it lacks, say)
+            raise
         except Exception:  # (torch's DistStoreError: a timeout, or the agent gone)
             return None
         if address != tried:
@@ -738,7 +742,9 @@ class Group:
             InvalidArgumentError: bad rank, world size, name, timeout, codec or
                 ``bind_host`` (one that does not resolve).
             StoreError: the store's port is in use (naming the address), it is
-                unreachable, or ``host`` does not resolve.
+                unreachable, or ``host`` does not resolve; or it runs with an ``auth_key``
+                (or encryption) where this rank has none, or none where this rank has one
+                (said once a request has gone a second unanswered).
             FormationTimeoutError: not every rank joined within ``timeout``; names them.
                 Host names are looked up within it too (the system's resolver has no
                 deadline of its own): a lookup that takes longer raises it, naming the host.

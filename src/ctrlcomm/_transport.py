@@ -748,23 +748,19 @@ class StoreConnection:
     def __init__(self, host: str, port: int, key: bytes | None = None,
                  encrypt: bool = False) -> None:
         self.key = key
-        self.sock = context().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        person = _store_curve(key, encrypt)
+        self._curve = _store_curve(key, encrypt)
+        assert self._curve is None or key, "encryption needs the shared key"
         # (a keyed client's handshake with a store without a key fails, unanswered, as does
         # a client's without a key with a store with one (where ZeroMQ saw the mechanism
         # differ on this side first, it does not even try again): such a store is looked
         # for while a request waits, and said at once; see request)
-        self._probe = (host, port) if person == KEYED_STORE or not (key or encrypt) else None
-        if person is not None:
-            assert key, "encryption needs the shared key"
-            _curve_client(self.sock, store_curve_keys(key, person)[0])
+        self._looks = (host, port) if self._curve == KEYED_STORE or not (key or encrypt) \
+            else None
+        self._probe = self._looks
         # a fixed identity across reconnections lets the server recognise a resent request
-        self.sock.setsockopt(zmq.ROUTING_ID, b"c" + os.urandom(15))
+        self._id = b"c" + os.urandom(15)
         self.addr = _tcp(host, port)
-        if _is_v6(self.addr):
-            self.sock.setsockopt(zmq.IPV6, 1)
-        self.sock.connect(self.addr)
+        self.sock = self._socket()
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         # (interrupt(): another thread closing the client wakes a request waiting here)
@@ -773,6 +769,46 @@ class StoreConnection:
         self._poller.register(self._bell_r, zmq.POLLIN)
         self._bell_lock = threading.Lock()
         self.rung = False
+
+    def _socket(self) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = context().socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                assert self.key
+                _curve_client(sock, store_curve_keys(self.key, self._curve)[0])
+            sock.setsockopt(zmq.ROUTING_ID, self._id)
+            if _is_v6(self.addr):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(self.addr)
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
+
+    def _send(self, frames: list[bytes]) -> None:
+        """Send (or resend) a request; where ZeroMQ has no connection left to queue it on,
+        on a new socket."""
+        try:
+            self.sock.send_multipart(frames, zmq.DONTWAIT)
+            return
+        except zmq.Again:
+            pass
+        # (ZeroMQ ended this socket's only connection, after a handshake that failed on this
+        # side, and never makes another: without a new socket, a store since restarted, or
+        # run as this client is, would never be reached; and its greeting is looked at again)
+        with self._bell_lock:
+            if self._bell_w < 0:
+                raise StoreError(f"the store client of {self.addr} was closed (by another "
+                                 "thread) while this request waited")
+            sock = self._socket()
+            self._poller.unregister(self.sock)
+            self.sock.close(0)
+            self.sock = sock
+            self._poller.register(sock, zmq.POLLIN)
+        self._probe = self._looks
+        with contextlib.suppress(zmq.Again):
+            self.sock.send_multipart(frames, zmq.DONTWAIT)
 
     def interrupt(self) -> None:
         """Wake the request waiting in another thread: it raises StoreError (closed)."""
@@ -789,10 +825,7 @@ class StoreConnection:
         if self.rung:
             raise StoreError(f"the store client of {self.addr} was closed")
         frames = [b"", *w.encode_store_request(req, self.key)]
-        try:
-            self.sock.send_multipart(frames, zmq.DONTWAIT)
-        except zmq.Again:  # (no connection to queue it on: one ZeroMQ gave up, see above)
-            pass
+        self._send(frames)
         resend_at = time.monotonic() + STORE_RESEND_S
         while True:
             now = time.monotonic()
@@ -803,7 +836,7 @@ class StoreConnection:
                     # unanswered: a store without a key (which its greeting names) never
                     # completes a keyed client's handshake, nor a store with one (or with
                     # encryption) a client's without
-                    keyed = self.key is not None
+                    keyed = bool(self.key)
                     mechanism = _zmtp_mechanism(*self._probe, min(PROBE_S, deadline - now),
                                                 null=not keyed)
                     if keyed and mechanism == b"NULL":
@@ -824,10 +857,7 @@ class StoreConnection:
                                          "another thread) while this request waited")
                     if now >= deadline:
                         return None
-                try:
-                    self.sock.send_multipart(frames, zmq.DONTWAIT)
-                except zmq.Again:
-                    pass
+                self._send(frames)
                 resend_at = now + STORE_RESEND_S
             wait = min(deadline, resend_at) - now
             ready = dict(self._poller.poll(min(max(1, int(wait * 1000)), MAX_POLL_MS)))

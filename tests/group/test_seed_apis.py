@@ -1108,3 +1108,19 @@ def test_vllms_dataclass_made_with_a_tcpstore_forms_the_group_through_it():
     for r, out in enumerate(res):
         for i, got in enumerate(out):
             assert got == (r, 3, {"cfg": i}, [i, 10 + i, 20 + i], ((r - 1) % 3, i)), got
+
+
+def test_vllms_dataclass_through_a_store_it_has_no_key_for_says_so_not_that_rank_0_is_gone():
+    """(Found in review: the wait for rank 0's published address took any error of the
+    agent store's get for "nothing published yet", and said, at the deadline, that rank 0
+    had not published; a ctrlcomm store that says why it does not answer is heard.)"""
+    from ctrlcomm import StatelessProcessGroup
+
+    with ctrlcomm.StoreServer("127.0.0.1", 0, auth_key="k3y") as srv:
+        store = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=30)  # (no key)
+        t = time.monotonic()
+        with pytest.raises(ctrlcomm.StoreError, match="runs with an auth_key") as e:
+            StatelessProcessGroup(rank=1, world_size=2, store=store)
+        assert not isinstance(e.value, ctrlcomm.StoreTimeoutError), e.value
+        assert time.monotonic() - t < 15
+        store.close()
