@@ -924,10 +924,10 @@ def test_an_mpi_run_ends_with_a_bench_killed_outright():
 
     if _baselines.missing("mpi"):
         pytest.skip(_baselines.missing("mpi"))
-    # (ctrlcomm's run comes first and must end: a 1 MiB broadcast, which takes MPICH
-    # several times as long here, so that its ranks still run when the bench is killed)
+    # (ctrlcomm's run comes first and must end: 2,000 broadcasts of 1 MiB, which take
+    # MPICH seconds here too, so that its ranks still run when the bench is killed)
     p = subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", "-n", "2", "--ops",
-                          "broadcast", "--sizes", "1M", "--iters", "10000", "--warmup", "0",
+                          "broadcast", "--sizes", "1M", "--iters", "2000", "--warmup", "0",
                           "--against", "mpi"], stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     seen = set()
