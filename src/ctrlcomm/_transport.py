@@ -760,7 +760,8 @@ class StoreConnection:
         # a fixed identity across reconnections lets the server recognise a resent request
         self._id = b"c" + os.urandom(15)
         self.addr = _tcp(host, port)
-        self.sock = self._socket()
+        self.sock, self._events = self._socket()
+        self._stale = False
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         # (interrupt(): another thread closing the client wakes a request waiting here)
@@ -770,8 +771,11 @@ class StoreConnection:
         self._bell_lock = threading.Lock()
         self.rung = False
 
-    def _socket(self) -> zmq.Socket[Any]:
+    def _socket(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any] | None]:
+        """A socket connected to the store, and the monitor of its handshakes that fail on
+        this side (watched from before it connects: see _renew)."""
         sock: zmq.Socket[Any] = context().socket(zmq.DEALER)
+        events = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             if self._curve is not None:
@@ -780,35 +784,42 @@ class StoreConnection:
             sock.setsockopt(zmq.ROUTING_ID, self._id)
             if _is_v6(self.addr):
                 sock.setsockopt(zmq.IPV6, 1)
+            events = _monitor(sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
             sock.connect(self.addr)
         except BaseException:
+            _close_monitor(sock, events)
             sock.close(0)
             raise
-        return sock
+        return sock, events
 
     def _send(self, frames: list[bytes]) -> None:
-        """Send (or resend) a request; where ZeroMQ has no connection left to queue it on,
-        on a new socket."""
-        try:
+        """Send (or resend) a request: on a new socket where this one's handshake failed."""
+        if self._events is not None and _handshakes_failed(self._events):
+            self._stale = True
+        if self._stale:
+            self._renew()
+        with contextlib.suppress(zmq.Again):  # (no connection yet, nor a queue: resent)
             self.sock.send_multipart(frames, zmq.DONTWAIT)
-            return
-        except zmq.Again:
-            pass
-        # (ZeroMQ ended this socket's only connection, after a handshake that failed on this
-        # side, and never makes another: without a new socket, a store since restarted, or
-        # run as this client is, would never be reached; and its greeting is looked at again)
+
+    def _renew(self) -> None:
+        """A new socket for one whose handshake failed on this side (another mechanism, a
+        port that does not speak ZMTP): ZeroMQ makes no new connection after that (where
+        the store saw it first, it does), so that a store restarted since, or run as this
+        client is, would never be reached. Its greeting is looked at again."""
         with self._bell_lock:
             if self._bell_w < 0:
                 raise StoreError(f"the store client of {self.addr} was closed (by another "
                                  "thread) while this request waited")
-            sock = self._socket()
+            try:
+                sock, events = self._socket()
+            except zmq.ZMQError:  # (out of descriptors, say: the next send tries again)
+                return
             self._poller.unregister(self.sock)
+            _close_monitor(self.sock, self._events)
             self.sock.close(0)
-            self.sock = sock
+            self.sock, self._events, self._stale = sock, events, False
             self._poller.register(sock, zmq.POLLIN)
         self._probe = self._looks
-        with contextlib.suppress(zmq.Again):
-            self.sock.send_multipart(frames, zmq.DONTWAIT)
 
     def interrupt(self) -> None:
         """Wake the request waiting in another thread: it raises StoreError (closed)."""
@@ -885,6 +896,7 @@ class StoreConnection:
         with self._bell_lock:
             if self._bell_w < 0:
                 return
+            _close_monitor(self.sock, self._events)
             self.sock.close(0)
             os.close(self._bell_r)
             os.close(self._bell_w)
@@ -957,6 +969,10 @@ class StoreServer:
             assert self.key
             _curve_server(self.sock, store_curve_keys(self.key, person)[1])
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # a client's new connection takes its routing id over from its old one, which the
+        # store may not have seen end yet (else ZeroMQ refuses the new one: a client that
+        # made a new socket, see StoreConnection._renew, would be unanswered meanwhile)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, w.STORE_MAX_FRAME)  # (see there)
         if listen_socket is not None:
             # serve from a socket the caller already bound (and so reserved) at host:port;
