@@ -820,8 +820,9 @@ class Group:
             except TimeoutError as e:
                 raise FormationTimeoutError(f"{late}: bind_host: {e}") from None
         server = _acquire_server(store_address, port, key, encrypt) if host_store else None
-        # (counted from here, not from the rendezvous: a peer without the key fails its
-        # handshake once, as it connects, and ZeroMQ does not try it again)
+        # (counted from here, not from the rendezvous: a peer without the key may fail its
+        # handshake as it connects, and where its ZeroMQ saw the mechanisms differ first,
+        # it tries no more until its next request)
         dropped = server.dropped if server is not None else 0
         store = ep = hb = None
         try:
