@@ -814,6 +814,9 @@ class StoreConnection:
                 sock, events = self._socket()
             except zmq.ZMQError:  # (out of descriptors, say: the next send tries again)
                 return
+            if events is None and self._events is not None:
+                sock.close(0)  # (a socket that could not tell of its own failed handshake:
+                return  # the next send tries again)
             self._poller.unregister(self.sock)
             _close_monitor(self.sock, self._events)
             self.sock.close(0)
@@ -969,10 +972,14 @@ class StoreServer:
             assert self.key
             _curve_server(self.sock, store_curve_keys(self.key, person)[1])
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        # a client's new connection takes its routing id over from its old one, which the
-        # store may not have seen end yet (else ZeroMQ refuses the new one: a client that
-        # made a new socket, see StoreConnection._renew, would be unanswered meanwhile)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if person is not None:
+            # a client's new connection takes its routing id over from its old one, which
+            # the store may not have seen end yet (else ZeroMQ refuses the new one: a client
+            # that made a new socket, see StoreConnection._renew, would be unanswered
+            # meanwhile). Only where the handshake needs the key: on a store without one,
+            # whoever read a client's id off the wire (its handshake sends it in clear)
+            # could take its connection over, and cut it off for good
+            self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, w.STORE_MAX_FRAME)  # (see there)
         if listen_socket is not None:
             # serve from a socket the caller already bound (and so reserved) at host:port;
