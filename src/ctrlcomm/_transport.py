@@ -708,10 +708,11 @@ def _zmtp_mechanism(host: str, port: int, timeout: float, null: bool = False) ->
     connection: it has then seen a client without its key (a keyed store counts it in its
     ``dropped``)."""
     deadline = time.monotonic() + timeout
-    got = b""
+    mechanism = None
     try:
         with socket.create_connection((host, port), timeout=max(timeout, 0.001)) as s:
             s.sendall(NULL_GREETING[:11])
+            got = b""
             while len(got) < 32:
                 left = deadline - time.monotonic()
                 if left <= 0:  # (one deadline in all: a peer may send a byte at a time)
@@ -721,18 +722,18 @@ def _zmtp_mechanism(host: str, port: int, timeout: float, null: bool = False) ->
                 if not chunk:
                     return None
                 got += chunk
-            if null and got[0] == 0xFF and got[12:32].rstrip(b"\x00") != b"NULL":
+            if got[0] != 0xFF or got[10] < 3:
+                return None
+            mechanism = got[12:32].rstrip(b"\x00")
+            if null and mechanism != b"NULL":
                 s.sendall(NULL_GREETING[11:])
                 while (left := deadline - time.monotonic()) > 0:
                     s.settimeout(left)
                     if not s.recv(4096):  # (the peer ended it: it saw the mechanism differ)
                         break
     except (OSError, ValueError):  # (refused, timed out, reset; an unusable host)
-        if len(got) < 32:
-            return None
-    if got[0] != 0xFF or got[10] < 3:
-        return None
-    return got[12:32].rstrip(b"\x00")
+        pass  # (the mechanism, where the greeting had named it before)
+    return mechanism
 
 
 def _plain_reply(frames: Sequence[Any], req_id: int) -> bool:
