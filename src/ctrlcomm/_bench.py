@@ -113,10 +113,12 @@ def check_cfg(cfg: Mapping[str, Any]) -> None:
                          "sizes or all_reduce out")
 
 
-def env_key() -> str | None:
+def env_key() -> bytes | None:
     """``CTRLCOMM_AUTH_KEY``, which every group the bench forms takes from the environment:
     the bench's store needs it too (it ran without, and the ranks refused it)."""
-    return os.environ.get("CTRLCOMM_AUTH_KEY") or None
+    from ._transport import auth_key_or_env
+
+    return auth_key_or_env()
 
 
 class _Marker:

@@ -17,9 +17,9 @@ from ._bench import DEFAULT_OPS
 def _store(args: argparse.Namespace) -> int:
     import logging
 
-    from ._transport import StoreServer
+    from ._transport import StoreServer, auth_key_or_env
 
-    key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
+    key = auth_key_or_env()
     if args.host in ("0.0.0.0", "::") and not key:
         logging.getLogger("ctrlcomm").warning(
             "the store binds every interface without CTRLCOMM_AUTH_KEY: anyone who reaches "

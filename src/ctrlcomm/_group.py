@@ -49,6 +49,7 @@ from ._transport import (
     _parse_tcp,
     _tcp,
     _wildcard,
+    auth_key_or_env,
     curve_available,
     local_address_for,
     make_endpoint,
@@ -453,9 +454,8 @@ def _through_store(cls: type[Group], agent: Any, key: str, near: str, near_port:
     n = _agent_formed.get(base, 0)
     key = f"{base}/{n}/store"
     if rank == 0:
-        auth_key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
         srv = _acquire_server(local_address_for(near, near_port), 0,
-                              auth_key.encode() if isinstance(auth_key, str) else auth_key,
+                              auth_key_or_env(kwargs.get("auth_key") or None),
                               bool(kwargs.get("encrypt", False)))
         _release_server(srv.host, srv.port)  # (create takes it up; closed if unused)
         address = f"{srv.host} {srv.port}"
@@ -773,13 +773,11 @@ class Group:
         if codec not in CODECS:
             raise InvalidArgumentError(f"unknown codec {codec!r}; use one of {sorted(CODECS)}")
         port = port_arg(port)
-        if auth_key is None:
-            auth_key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
-        elif not auth_key:  # (given, but empty: a key read from an empty file, say; an
-            # empty CTRLCOMM_AUTH_KEY is unset, as shells have it)
+        if auth_key is not None and not auth_key:  # (given, but empty: a key read from an
+            # empty file, say; an empty CTRLCOMM_AUTH_KEY is unset, as shells have it)
             raise InvalidArgumentError("Group.create: auth_key is empty; give a secret, or "
                                        "None for no authentication")
-        key = auth_key.encode() if isinstance(auth_key, str) else auth_key
+        key = auth_key_or_env(auth_key)
         encrypt = bool(encrypt)
         if encrypt:
             if not key:

@@ -939,6 +939,15 @@ def _bind_host(host: str, port: int, timeout: float) -> str:
                          f"an interface of this host or a name that resolves ({e})") from None
 
 
+def auth_key_or_env(given: str | bytes | None = None) -> bytes | None:
+    """The key a group or a store takes: ``given``, else ``CTRLCOMM_AUTH_KEY`` from the
+    environment (empty there is unset, as shells have it); as bytes, None for none. (One
+    place for the fallback every entry point has: Group.create, from_env under torchrun,
+    group_from_torch, vLLM's dataclass, the store command, the bench, run_group.)"""
+    key = given if given is not None else (os.environ.get("CTRLCOMM_AUTH_KEY") or None)
+    return key.encode() if isinstance(key, str) else key
+
+
 class StoreServer:
     """A rendezvous store served from a daemon thread of this process.
 

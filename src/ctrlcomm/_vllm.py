@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
-import os
 import socket as _socket
 import threading
 import time
@@ -24,7 +23,7 @@ from ._core import run_sync
 from ._errors import ConcurrentUseError, InvalidArgumentError, show
 from ._group import Group, _rank_arg, close_when_dropped
 from ._store import _secs
-from ._transport import StoreServer
+from ._transport import StoreServer, auth_key_or_env
 
 _TENSOR_TAG = 1 << 40  # point-to-point tensors travel apart from send_obj/recv_obj objects
 # broadcast_obj's messages: one ordered stream per source, as the original's store keys
@@ -203,7 +202,7 @@ class StatelessProcessGroup:
         server = None
         if rank == 0 and listen_socket is not None:
             server = StoreServer(host, port, listen_socket=listen_socket,
-                                 auth_key=os.environ.get("CTRLCOMM_AUTH_KEY") or None)
+                                 auth_key=auth_key_or_env())
         try:
             g = Group.create(host, port, rank, world_size, name="stateless",
                              timeout=_secs(store_timeout),

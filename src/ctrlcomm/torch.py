@@ -29,7 +29,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ._errors import FormationError, FormationTimeoutError, InvalidArgumentError
 from ._group import Group, _acquire_server, _bind_address, _host_of, _release_server, _timeout_arg
-from ._transport import _wildcard, local_address_for, resolve
+from ._transport import _wildcard, auth_key_or_env, local_address_for, resolve
 
 __all__ = ["group_from_torch", "init_torch_process_group"]
 
@@ -110,10 +110,8 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
         if rank == 0:
             try:
                 host = _leader_host(hostname, t)
-                key = kwargs.get("auth_key") or os.environ.get("CTRLCOMM_AUTH_KEY") or None
-                if isinstance(key, str):
-                    key = key.encode()
-                server = _acquire_server(host, 0, key, bool(kwargs.get("encrypt")))
+                server = _acquire_server(host, 0, auth_key_or_env(kwargs.get("auth_key") or None),
+                                         bool(kwargs.get("encrypt")))
                 served = (host, server.port)
                 # (a store on every interface: the members are told this host's address
                 # that reaches them, not 0.0.0.0, which would send each to its own host)

@@ -219,3 +219,18 @@ def test_a_store_request_resent_after_a_stale_reply_is_still_the_request(monkeyp
     finally:
         conn.close()
         router.close(0)
+
+
+def test_the_auth_key_fallback_takes_the_given_key_else_a_set_environment_variable(monkeypatch):
+    from ctrlcomm._transport import auth_key_or_env
+
+    monkeypatch.setenv("CTRLCOMM_AUTH_KEY", "from-env")
+    assert auth_key_or_env("given") == b"given"
+    assert auth_key_or_env(b"raw\xff") == b"raw\xff"
+    assert auth_key_or_env() == b"from-env"
+    assert auth_key_or_env(None) == b"from-env"
+    monkeypatch.setenv("CTRLCOMM_AUTH_KEY", "")  # empty: unset, as shells have it
+    assert auth_key_or_env() is None
+    monkeypatch.delenv("CTRLCOMM_AUTH_KEY")
+    assert auth_key_or_env() is None
+    assert auth_key_or_env("k") == b"k"

@@ -416,12 +416,10 @@ def run_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
     The store is served from this (the parent) process on a free loopback port.
     """
-    from .._transport import StoreServer
+    from .._transport import StoreServer, auth_key_or_env
 
     gk = group_kwargs or {}
-    key = gk.get("auth_key")
-    if key is None:  # (as Group.create takes it: CTRLCOMM_AUTH_KEY, where it is set)
-        key = os.environ.get("CTRLCOMM_AUTH_KEY") or None
+    key = auth_key_or_env(gk.get("auth_key"))  # (as Group.create takes it)
     with StoreServer("127.0.0.1", 0, auth_key=key, encrypt=bool(gk.get("encrypt"))) as srv:
         return run_ranks(_group_child, world_size, fn, srv.port, group_kwargs or {}, args,
                          timeout=timeout)
