@@ -761,7 +761,9 @@ class StoreConnection:
         # a fixed identity across reconnections lets the server recognise a resent request
         self._id = b"c" + os.urandom(15)
         self.addr = _tcp(host, port)
-        self.sock, self._events = self._socket()
+        made = self._socket()
+        assert made is not None  # (not watched: always a socket)
+        self.sock, self._events = made
         self._stale = False
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
@@ -772,9 +774,13 @@ class StoreConnection:
         self._bell_lock = threading.Lock()
         self.rung = False
 
-    def _socket(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any] | None]:
+    def _socket(self, watched: bool = False
+                ) -> tuple[zmq.Socket[Any], zmq.Socket[Any] | None] | None:
         """A socket connected to the store, and the monitor of its handshakes that fail on
-        this side (watched from before it connects: see _renew)."""
+        this side (watched from before it connects: see _renew). With ``watched``, None
+        where the monitor cannot be made, before the socket connects: a connection with
+        this client's routing id would take the old socket's over at a keyed store
+        (ROUTER_HANDOVER), its replies then lost with the new socket, closed unused."""
         sock: zmq.Socket[Any] = context().socket(zmq.DEALER)
         events = None
         try:
@@ -786,6 +792,9 @@ class StoreConnection:
             if _is_v6(self.addr):
                 sock.setsockopt(zmq.IPV6, 1)
             events = _monitor(sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            if events is None and watched:
+                sock.close(0)
+                return None
             sock.connect(self.addr)
         except BaseException:
             _close_monitor(sock, events)
@@ -812,12 +821,12 @@ class StoreConnection:
                 raise StoreError(f"the store client of {self.addr} was closed (by another "
                                  "thread) while this request waited")
             try:
-                sock, events = self._socket()
+                made = self._socket(watched=self._events is not None)
             except zmq.ZMQError:  # (out of descriptors, say: the next send tries again)
                 return
-            if events is None and self._events is not None:
-                sock.close(0)  # (a socket that could not tell of its own failed handshake:
-                return  # the next send tries again)
+            if made is None:  # (a socket that could not tell of its own failed handshake,
+                return  # not connected: the next send tries again)
+            sock, events = made
             self._poller.unregister(self.sock)
             _close_monitor(self.sock, self._events)
             self.sock.close(0)
