@@ -1391,6 +1391,20 @@ def _missing_ranks(store: StoreClient, ranks: Sequence[int], budget: float, toke
     return [ranks[i] for i in absent if ranks[i] not in gave], sorted(gave)
 
 
+def _joined_from(address: bytes) -> str:
+    """Where the process of an address line (another's, of this rank) joined from, in words:
+    its endpoint, and its pid where it runs on this host (its line's ``proc:`` field)."""
+    fields = address.decode(errors="replace").split(" ")
+    where = f"from {fields[0]}" if fields[0] else "from an unknown address"
+    proc = next((f.split(":") for f in fields if f.startswith("proc:")), [])
+    mine = proc_address().split(":")
+    if len(proc) == 4 and len(mine) == 4:
+        if proc[1] == mine[1]:
+            return f"{where} by process {proc[2]} of this host"
+        return f"{where} by a process of another host (or PID namespace)"
+    return where
+
+
 def _token(address: str) -> str:
     """The "join:" field of an address line: its try's own ("" from a release without)."""
     return next((f for f in address.split(" ") if f.startswith("join:")), "")
@@ -1493,8 +1507,8 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
         raise _silent_store(store, name, rank, rank0_hosts) from None
     if not ok:
         raise FormationError(
-            f"group {name!r}: rank {rank} already joined from {held.decode(errors='replace')} "
-            "(two processes with one rank, or a stale key of an earlier group of that name: "
+            f"group {name!r}: rank {rank} already joined, {_joined_from(held)} (two "
+            "processes with one rank, or a stale key of an earlier group of that name: "
             "use another name or a fresh store)")
     # what _join did that a failure must undo, or keep: "table" (rank 0 published an
     # address table), "differ" (the ranks' settings differ: the keys stay, see _withdraw)

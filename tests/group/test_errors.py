@@ -1,6 +1,7 @@
 """Deadlines, mismatches, bad input and states, with real ranks over real sockets."""
 
 import asyncio
+import os
 import re
 import threading
 import time
@@ -1685,16 +1686,23 @@ def duplicate_rank(rank, size, port):
     try:
         ctrlcomm.Group.create("127.0.0.1", port, min(rank, 1), 3, timeout=3)
     except ctrlcomm.FormationError as e:
-        return type(e).__name__, str(e)
-    return "formed", ""
+        return type(e).__name__, str(e), os.getpid()
+    return "formed", "", os.getpid()
 
 
 def test_two_processes_with_one_rank():
+    """The one that comes second is told, with the process that holds the rank (its pid,
+    this host's) and where it joined from."""
     res = run_ranks(duplicate_rank, 3, free_port())
-    kinds = [k for k, _ in res]
+    kinds = [k for k, _, _ in res]
     assert "FormationError" in kinds, res
-    msg = next(m for k, m in res if k == "FormationError")
+    i = kinds.index("FormationError")
+    msg = res[i][1]
     assert "rank 1 already joined" in msg
+    other = res[3 - i][2]  # (processes 1 and 2 are both rank 1)
+    assert f"by process {other} of this host" in msg, (msg, other)
+    assert re.search(r"from tcp://127\.0\.0\.1:\d+ ", msg), msg
+    assert "ws:" not in msg  # (the rest of its address line: not for a reader)
 
 
 def duplicate_rank_after_formation(i, _, port):
