@@ -260,3 +260,27 @@ if __name__ == "__main__":
     print(len(run_ranks(pid, 2)), len(run_ranks(pid, 3)), flush=True)
 """)
     assert done.stdout.split() == ["2", "3"], (done.stdout, done.stderr)
+
+
+def test_a_rank_that_ends_just_before_it_is_killed_is_no_error():
+    # (CI: run_ranks saw a rank alive, the rank ended and the fork server reaped it, and the
+    # kill that followed raised ProcessLookupError out of the test)
+    import multiprocessing
+    import os
+    from multiprocessing.connection import wait
+
+    from ctrlcomm.testing._runner import _fork_server, _kill
+
+    assert _fork_server()
+    p = multiprocessing.get_context("forkserver").Process(target=os._exit, args=(0,))
+    p.start()
+    try:
+        # ended, and reaped by the server (it says so after waitpid), but not polled here:
+        # to the Process object it may still be running
+        assert wait([p.sentinel], timeout=30), "the process did not end"
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)
+        _kill(p)  # (was os.kill(p.pid, SIGKILL))
+    finally:
+        p.join(10)
+    assert p.exitcode == 0
