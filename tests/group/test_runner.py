@@ -269,7 +269,7 @@ def test_a_rank_that_ends_just_before_it_is_killed_is_no_error():
     import os
     from multiprocessing.connection import wait
 
-    from ctrlcomm.testing._runner import _fork_server, _kill
+    from ctrlcomm.testing._runner import _fork_server
 
     assert _fork_server()
     p = multiprocessing.get_context("forkserver").Process(target=os._exit, args=(0,))
@@ -280,7 +280,7 @@ def test_a_rank_that_ends_just_before_it_is_killed_is_no_error():
         assert wait([p.sentinel], timeout=30), "the process did not end"
         with pytest.raises(ProcessLookupError):
             os.kill(p.pid, 0)
-        _kill(p)  # (was os.kill(p.pid, SIGKILL))
+        p.kill()  # (as run_ranks kills; it was os.kill(p.pid, SIGKILL), which raised here)
     finally:
         p.join(10)
     assert p.exitcode == 0

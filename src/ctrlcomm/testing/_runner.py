@@ -270,17 +270,6 @@ def _leave_server() -> None:
         fs._forkserver_alive_fd = None  # type: ignore[union-attr]
 
 
-def _kill(p: Any) -> None:
-    """SIGKILL rank process ``p``, started by this module, unless it has ended since it was
-    last seen running: its pid is then gone (a fork server's child is reaped by the server
-    as it exits, so a rank that ends between ``is_alive()`` and the kill is not there to be
-    signalled). Only a pid this module started."""
-    try:
-        os.kill(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
               start_method: str | None = None, may_die: tuple[int, ...] = (),
               kill_after_results: bool = False, fail_fast: bool = False,
@@ -366,7 +355,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                                           if r not in may_die):
                 for r in may_die:
                     if r not in results and procs[r].pid is not None:
-                        _kill(procs[r])
+                        procs[r].kill()
                         results[r] = (True, None)
             for r, p in enumerate(procs):
                 if r not in results and p.exitcode is not None and q.empty():
@@ -382,7 +371,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                         if r not in results:
                             results[r] = (False, f"stopped: rank {first} failed first")
                             if p.is_alive() and p.pid is not None:
-                                _kill(p)
+                                p.kill()
                     break
             if time.monotonic() > deadline:
                 for r in range(world_size):
@@ -392,15 +381,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     except BaseException:  # Ctrl-C, SIGTERM made an exception, a result that cannot be read
         for p in procs:  # the ranks are not waited for: stopped at once
             if p.is_alive() and p.pid is not None:
-                _kill(p)
+                p.kill()
         raise
     finally:
+        # (Process.kill: a rank that ended since is_alive() said it ran, reaped by the fork
+        # server, is no longer there, and kill() takes ProcessLookupError as that)
         for p in procs:
             if p.pid is None:  # never started (interrupted before)
                 continue
             p.join(timeout=max(0.0, min(5.0, deadline + 5 - time.monotonic())))
             if p.is_alive() and p.pid is not None:
-                _kill(p)
+                p.kill()
                 p.join(5)
         q.close()
     for r, (ok, out) in sorted(results.items()):
