@@ -233,6 +233,9 @@ class Core:
         # its seq
         self.status_in_call: dict[int, int] = {}
         self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
+        # those of them that aborted, not known closed: still there, and told goodbye (an
+        # aborted rank's own goodbye to a rank closed already lingered: 5 s at its exit)
+        self.aborters: set[int] = set()
         self.suspects: dict[int, tuple[float, str]] = {}  # peer -> (grace ends, why)
         self.dropped: Counter[str] = Counter()
         self.sent = 0
@@ -424,6 +427,7 @@ class Core:
             why = bytes(m.payload).decode(errors="replace")  # (why it was broken, if it was)
             self.gone.setdefault(m.src, f"closed the group (broken there: {why})" if why
                                  else "closed the group")
+            self.aborters.discard(m.src)
         elif k == w.ABORT:
             reason = bytes(m.payload).decode(errors="replace")
             if reason.startswith(MISMATCH_PREFIX):
@@ -451,6 +455,7 @@ class Core:
                                        f"rank {m.src}): {text}", ranks=lost))
             else:
                 self.gone[m.src] = f"aborted the group: {reason}"
+                self.aborters.add(m.src)
                 aborted = PeerLostError(f"group {self.name!r}: rank {m.src} aborted the "
                                         f"group: {reason}", ranks=[m.src])
                 self.brk(aborted)
@@ -551,7 +556,10 @@ class Core:
                   op: int = 0, root: int = w.NO_ROOT) -> None:
         msg = w.Message(kind, self.rank, self.group_id, seq, rnd, op, root, payload=payload)
         try:
-            self.ep.send(dst, w.encode(msg, self.key, dst))
+            if kind == w.BYE and (last := getattr(self.ep, "send_last", None)) is not None:
+                last(dst, w.encode(msg, self.key, dst))  # (see ZmqEndpoint.send_last)
+            else:
+                self.ep.send(dst, w.encode(msg, self.key, dst))
         except Exception:  # a status or goodbye message is best effort
             pass
 
@@ -1487,7 +1495,8 @@ class Core:
                 cause = self.cause
                 self._tell_peers(w.BYE, "" if cause is None
                                  else f"{type(cause).__name__}: {cause}"[:BYE_TEXT])
-                self.ep.close(gone=set(self.gone))  # (nothing to linger for: see there)
+                # (nothing to linger for: see there)
+                self.ep.close(gone=set(self.gone).difference(self.aborters))
 
     def _send_abort(self, reason: str) -> None:
         """(Holding the group, or its sockets for a suspended call: _abort_suspended.) The
@@ -1513,7 +1522,7 @@ class Core:
         effort)."""
         payload = text.encode()
         for p in range(self.size) if to is None else to:
-            if p != self.rank and p not in self.gone:
+            if p != self.rank and (p not in self.gone or kind == w.BYE and p in self.aborters):
                 self._send_raw(p, kind, payload, seq, rnd, op, root)
         if kind == w.ABORT:
             # the word goes out now, to peers this rank has not sent to yet as well (queued on a

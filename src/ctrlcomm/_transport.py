@@ -30,10 +30,12 @@ import asyncio
 import atexit
 import contextlib
 import errno
+import functools
 import hashlib
 import hmac
 import ipaddress
 import itertools
+import operator
 import os
 import select
 import socket
@@ -48,6 +50,7 @@ from typing import Any
 
 import zmq
 import zmq.utils.z85
+from zmq.utils.monitor import recv_monitor_message
 
 from . import _wire as w
 from ._errors import CtrlcommError, StoreError, StoreTimeoutError, WireError
@@ -68,6 +71,9 @@ COPY_THRESHOLD = 65536
 # object may change). Small frames, copied by ZeroMQ, are bounded by HWM.
 ZMQ_ALLOWANCE = 256 * 1024 * 1024
 TRACK_POLL_S = 0.005  # how often a wait over the allowance looks whether ZeroMQ sent more
+# Once a socket's last message (the goodbye) has left ZeroMQ's queue, what its I/O thread may
+# still hold gets this long to go out.
+FAREWELL_LINGER_MS = 200
 
 
 def context() -> zmq.Context[Any]:
@@ -428,7 +434,11 @@ class ZmqEndpoint:
         # next wait, the core's for it to go down, is short: see wait)
         self._queued: dict[int, deque[tuple[zmq.MessageTracker, int]]] = {}
         self._queued_bytes: dict[int, int] = {}
+        self._watched: dict[int, zmq.Socket[Any]] = {}  # (see _sock)
         self._over = False
+        # per peer told goodbye: its socket's monitor and the goodbye's tracker (see
+        # send_last, _farewell)
+        self._last: dict[int, tuple[zmq.Socket[Any], zmq.MessageTracker]] = {}
         self._poller = zmq.Poller()
         self._poller.register(self.rx, zmq.POLLIN)
         self.bell = _Bell()
@@ -451,7 +461,9 @@ class ZmqEndpoint:
         self.peers = dict(peers)
         self.peer_keys = dict(curve_keys or {})
 
-    def _sock(self, dst: int) -> zmq.Socket[Any]:
+    def _sock(self, dst: int, watch: bool = False) -> zmq.Socket[Any]:
+        """The socket to ``dst``, connected on first use. ``watch``: made with a monitor
+        (for the goodbye: see send_last), in ``_last``."""
         s = self.tx.get(dst)
         if s is None:
             s = self._ctx.socket(zmq.PUSH)
@@ -463,6 +475,8 @@ class ZmqEndpoint:
                 _curve_client(s, self.peer_keys[dst])
             if _is_v6(self.peers[dst]):
                 s.setsockopt(zmq.IPV6, 1)
+            if watch:  # (before connect: its first events are the connection's)
+                self._watched[dst] = s.get_monitor_socket(_FAREWELL_EVENTS)
             s.connect(self.peers[dst])
             self.tx[dst] = s
         return s
@@ -503,6 +517,28 @@ class ZmqEndpoint:
                     self._queued_bytes[dst] += sizes[i]
                 else:
                     s.send(f, flags)
+
+    def send_last(self, dst: int, frames: Sequence[Any]) -> None:
+        """Queue the last message for ``dst`` before close() (a goodbye): tracked, and its
+        socket watched, so that close() knows when all that was queued for ``dst`` has gone
+        out, or that ``dst`` has closed (its connection refused), and waits no longer."""
+        if dst in self._last or self.closed:
+            return
+        s = self.tx.get(dst)
+        if s is None:
+            s = self._sock(dst, watch=True)
+            mon = self._watched.pop(dst)
+        else:
+            mon = s.get_monitor_socket(_FAREWELL_EVENTS)
+        s.copy_threshold = 0  # (pyzmq copies a small frame, and tracks nothing, otherwise)
+        try:
+            for f in frames[:-1]:
+                s.send(f, zmq.SNDMORE | zmq.DONTWAIT)
+            tracker = s.send(frames[-1], zmq.DONTWAIT, copy=False, track=True)
+        except BaseException:
+            _unwatch_zmq(s, mon)
+            raise
+        self._last[dst] = (mon, tracker)
 
     @property
     def unflushed(self) -> Collection[int]:
@@ -672,16 +708,86 @@ class ZmqEndpoint:
         except zmq.ZMQError:  # (Again: all read)
             pass
         self.rx.close(0)
+        farewells = []
         for dst, s in self.tx.items():
+            last = self._last.pop(dst, None)
+            if last is not None and dst not in gone:
+                farewells.append((s, *last))  # (closed by _farewell, once it knows)
+                continue
+            if last is not None:
+                _unwatch_zmq(s, last[0])
             # LINGER_MS: queued messages still go out, in ZeroMQ's I/O thread
             s.close(0 if dst in gone else None)
         self.tx.clear()
         self.bell.close()
-        if self._own_ctx:
+        if self._own_ctx or farewells:
             # (not a daemon: a process that exits right after close() still delivers its
             # last messages, for at most LINGER_MS, as the TCP transport's linger does)
-            threading.Thread(target=self._ctx.term, daemon=False,
-                             name="ctrlcomm-zmq-linger").start()
+            threading.Thread(target=_farewell,
+                             args=(farewells, self._ctx if self._own_ctx else None),
+                             daemon=False, name="ctrlcomm-zmq-linger").start()
+
+
+# What the monitor of a socket told goodbye reports where the peer has closed (its socket
+# gone: a connection to it refused, which ZeroMQ would try again and again, or cut in its
+# handshake) or is not the peer (the handshake failed on its key); and the connection's other
+# events, which say nothing either way.
+_CLOSED = {zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+           zmq.EVENT_HANDSHAKE_FAILED_AUTH}
+_FAREWELL_EVENTS = functools.reduce(operator.or_, _CLOSED)
+
+
+def _unwatch_zmq(s: zmq.Socket[Any], mon: zmq.Socket[Any]) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        s.disable_monitor()
+    mon.close(0)
+
+
+def _farewell(socks: list[tuple[zmq.Socket[Any], zmq.Socket[Any], zmq.MessageTracker]],
+              ctx: zmq.Context[Any] | None) -> None:
+    """(A thread of ZmqEndpoint.close.) Close each socket told goodbye once its goodbye, the
+    last message queued on it, has left ZeroMQ's queue (what its I/O thread still holds
+    then goes out within FAREWELL_LINGER_MS); or at once where its monitor says the peer has
+    closed (nothing will reach it); or at LINGER_MS, as the other sockets. Then terminate
+    ``ctx`` (the endpoint's own context: what is queued on its other sockets goes out,
+    within LINGER_MS). (Before, every socket lingered LINGER_MS, and a process whose peers
+    closed first waited that long, 5 s, to exit: the usual end of a group closed on every
+    rank at once.)"""
+    left = {mon: (s, tracker) for s, mon, tracker in socks}
+    try:
+        poller = zmq.Poller()
+        for mon in left:
+            poller.register(mon, zmq.POLLIN)
+        end = time.monotonic() + LINGER_MS / 1000
+        while left:
+            for mon, (s, tracker) in list(left.items()):
+                if tracker.done:
+                    del left[mon]
+                    poller.unregister(mon)
+                    _unwatch_zmq(s, mon)
+                    s.close(FAREWELL_LINGER_MS)
+            t = end - time.monotonic()
+            if not left or t <= 0:
+                break
+            for mon, _ in poller.poll(max(int(min(t, TRACK_POLL_S) * 1000), 1)):
+                closed = False
+                with contextlib.suppress(zmq.Again):
+                    while not closed:
+                        closed = recv_monitor_message(mon, zmq.NOBLOCK)["event"] in _CLOSED
+                if closed:
+                    s = left.pop(mon)[0]
+                    poller.unregister(mon)
+                    _unwatch_zmq(s, mon)
+                    s.close(0)
+    finally:
+        # (at LINGER_MS; or whatever went wrong above: a socket left open would hold
+        # term(), and the exit, for ever)
+        for mon, (s, _) in left.items():
+            with contextlib.suppress(Exception):
+                _unwatch_zmq(s, mon)
+                s.close(0)
+        if ctx is not None:
+            ctx.term()
 
 
 # A request unanswered for this long is sent again (same id: the server answers it once).

@@ -1152,6 +1152,110 @@ def test_a_closing_rank_lingers_not_for_a_peer_known_gone():
     assert run_ranks(close_after_a_peer_left, 2, free_port(), timeout=60)[0] is False
 
 
+def _lingering(longest):
+    """Whether a thread of ctrlcomm's linger (either transport's) is still running after
+    ``longest`` seconds (LINGER_MS, for a peer that is there but slow, is 5 s)."""
+    import threading
+
+    ts = [t for t in threading.enumerate() if t.name in ("ctrlcomm-linger", "ctrlcomm-zmq-linger")]
+    end = time.monotonic() + longest
+    for t in ts:
+        t.join(max(end - time.monotonic(), 0.0))
+    return [t.name for t in ts if t.is_alive()]
+
+
+def close_together(rank, size, port, transport):
+    """Every rank closes at once after barriers (a star through rank 0 at this size: no rank
+    but 0 has sent to the others, whose goodbyes take connections of their own, made as
+    those peers close)."""
+    g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30, transport=transport)
+    for _ in range(20):
+        g.barrier()
+    g.close()
+    return _lingering(3.0)
+
+
+@pytest.mark.parametrize("transport", ["zmq", "tcp"])
+def test_ranks_that_close_together_do_not_linger(transport):
+    # (before, over ZeroMQ: ranks 1-3 said goodbye to each other on connections made at
+    # close, to peers that had closed already; ZeroMQ tried again and again, and their exit
+    # waited LINGER_MS, 5 s)
+    from ctrlcomm.testing import free_port, run_ranks
+
+    assert run_ranks(close_together, 4, free_port(), transport, timeout=60) == [[]] * 4
+
+
+def close_while_a_peer_waits_for_it(rank, size, port, transport):
+    """Rank 1, which never sent to rank 2, closes while rank 2 waits for a message from it
+    (liveness off: only rank 1's goodbye can tell rank 2)."""
+    g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30, transport=transport,
+                              liveness_timeout=None)
+    for _ in range(5):
+        g.barrier()
+    if rank == 1:
+        time.sleep(0.5)
+        g.close()
+        return None
+    if rank == 0:
+        time.sleep(1.0)
+        g.close()
+        return None
+    t = time.monotonic()
+    try:
+        g.recv(1, timeout=20)
+    except ctrlcomm.PeerLostError as e:
+        g.close()
+        return e.ranks, "closed the group" in str(e), time.monotonic() - t < 10
+    except Exception as e:
+        g.close()
+        return repr(e)
+    return "received"
+
+
+@pytest.mark.parametrize("transport", ["zmq", "tcp"])
+def test_a_goodbye_on_a_connection_of_its_own_reaches_a_peer_waiting(transport):
+    # (the goodbye a closing rank sends on a connection made for it: to a peer that is there,
+    # it goes out; only one that refuses the connection, closed already, is not waited for)
+    from ctrlcomm.testing import free_port, run_ranks
+
+    got = run_ranks(close_while_a_peer_waits_for_it, 3, free_port(), transport, timeout=60)
+    assert got[2] == ([1], True, True), got
+
+
+def abort_then_close_last(rank, size, port, transport, marks):
+    """Rank 1 aborts; rank 0 finds out in its next call and closes; rank 1 closes after."""
+    import os
+
+    g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30, transport=transport)
+    g.barrier()
+    if rank == 1:
+        g.abort("rank 1 gives up")
+        end = time.monotonic() + 20
+        while not os.path.exists(marks) and time.monotonic() < end:
+            time.sleep(0.02)
+        g.close()
+        return _lingering(3.0)
+    try:
+        g.barrier()
+    except ctrlcomm.PeerLostError:
+        pass
+    g.close()
+    open(marks, "w").close()
+    return _lingering(3.0)
+
+
+@pytest.mark.parametrize("transport", ["zmq", "tcp"])
+def test_a_rank_that_aborted_does_not_linger_for_peers_closed_before_it(transport, tmp_path):
+    # (before, over ZeroMQ: rank 0 told the aborted rank 1 no goodbye (it counted it gone),
+    # so rank 1's own goodbye, at its close, was queued for rank 0, closed already: its
+    # exit waited LINGER_MS, 5 s)
+    from ctrlcomm.testing import free_port, run_ranks
+
+    got = run_ranks(abort_then_close_last, 2, free_port(), transport, str(tmp_path / "closed"),
+                    timeout=60)
+    assert got == [[], []]
+
+
 def close_in_a_forked_child(rank, size, port, transport):
     import faulthandler
     import os
