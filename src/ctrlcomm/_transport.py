@@ -476,7 +476,7 @@ class ZmqEndpoint:
             if _is_v6(self.peers[dst]):
                 s.setsockopt(zmq.IPV6, 1)
             if watch:  # (before connect: its first events are the connection's)
-                self._watched[dst] = s.get_monitor_socket(_FAREWELL_EVENTS)
+                self._watch(dst, s)
             s.connect(self.peers[dst])
             self.tx[dst] = s
         return s
@@ -524,12 +524,13 @@ class ZmqEndpoint:
         out, or that ``dst`` has closed (its connection refused), and waits no longer."""
         if dst in self._last or self.closed:
             return
-        s = self.tx.get(dst)
-        if s is None:
-            s = self._sock(dst, watch=True)
-            mon = self._watched.pop(dst)
-        else:
-            mon = s.get_monitor_socket(_FAREWELL_EVENTS)
+        s = self._sock(dst, watch=True)
+        if dst not in self._watched:  # (a socket made before)
+            self._watch(dst, s)
+        mon = self._watched.pop(dst, None)
+        if mon is None:  # (no monitor to be had: sent as any message, lingered for)
+            self.send(dst, frames)
+            return
         s.copy_threshold = 0  # (pyzmq copies a small frame, and tracks nothing, otherwise)
         try:
             for f in frames[:-1]:
@@ -539,6 +540,14 @@ class ZmqEndpoint:
             _unwatch_zmq(s, mon)
             raise
         self._last[dst] = (mon, tracker)
+
+    def _watch(self, dst: int, s: zmq.Socket[Any]) -> None:
+        """A monitor of ``s`` in ``_watched``; none where ZeroMQ makes none (each takes two
+        more sockets and descriptors: a large group can run out of either)."""
+        try:
+            self._watched[dst] = s.get_monitor_socket(_FAREWELL_EVENTS)
+        except zmq.ZMQError:
+            pass
 
     @property
     def unflushed(self) -> Collection[int]:
