@@ -30,12 +30,10 @@ import asyncio
 import atexit
 import contextlib
 import errno
-import functools
 import hashlib
 import hmac
 import ipaddress
 import itertools
-import operator
 import os
 import select
 import socket
@@ -50,7 +48,6 @@ from typing import Any
 
 import zmq
 import zmq.utils.z85
-from zmq.utils.monitor import recv_monitor_message
 
 from . import _wire as w
 from ._errors import CtrlcommError, StoreError, StoreTimeoutError, WireError
@@ -74,6 +71,12 @@ TRACK_POLL_S = 0.005  # how often a wait over the allowance looks whether ZeroMQ
 # Once a socket's last message (the goodbye) has left ZeroMQ's queue, what its I/O thread may
 # still hold gets this long to go out.
 FAREWELL_LINGER_MS = 200
+# While it has not, the peer's address is tried (a plain TCP connection, given at most
+# FAREWELL_PROBE_S): refused, the peer has closed (see _farewell). At once, then after
+# FAREWELL_FIRST_GAP_S, the gap doubling up to FAREWELL_PROBE_S (a peer there at the first try
+# often closes right after: every rank closes at once).
+FAREWELL_PROBE_S = 0.5
+FAREWELL_FIRST_GAP_S = 0.01
 
 
 def context() -> zmq.Context[Any]:
@@ -434,11 +437,9 @@ class ZmqEndpoint:
         # next wait, the core's for it to go down, is short: see wait)
         self._queued: dict[int, deque[tuple[zmq.MessageTracker, int]]] = {}
         self._queued_bytes: dict[int, int] = {}
-        self._watched: dict[int, zmq.Socket[Any]] = {}  # (see _sock)
         self._over = False
-        # per peer told goodbye: its socket's monitor and the goodbye's tracker (see
-        # send_last, _farewell)
-        self._last: dict[int, tuple[zmq.Socket[Any], zmq.MessageTracker]] = {}
+        # per peer told goodbye: the goodbye's tracker (see send_last, _farewell)
+        self._last: dict[int, zmq.MessageTracker] = {}
         self._poller = zmq.Poller()
         self._poller.register(self.rx, zmq.POLLIN)
         self.bell = _Bell()
@@ -461,9 +462,7 @@ class ZmqEndpoint:
         self.peers = dict(peers)
         self.peer_keys = dict(curve_keys or {})
 
-    def _sock(self, dst: int, watch: bool = False) -> zmq.Socket[Any]:
-        """The socket to ``dst``, connected on first use. ``watch``: made with a monitor
-        (for the goodbye: see send_last), in ``_last``."""
+    def _sock(self, dst: int) -> zmq.Socket[Any]:
         s = self.tx.get(dst)
         if s is None:
             s = self._ctx.socket(zmq.PUSH)
@@ -475,8 +474,6 @@ class ZmqEndpoint:
                 _curve_client(s, self.peer_keys[dst])
             if _is_v6(self.peers[dst]):
                 s.setsockopt(zmq.IPV6, 1)
-            if watch:  # (before connect: its first events are the connection's)
-                self._watch(dst, s)
             s.connect(self.peers[dst])
             self.tx[dst] = s
         return s
@@ -519,35 +516,19 @@ class ZmqEndpoint:
                     s.send(f, flags)
 
     def send_last(self, dst: int, frames: Sequence[Any]) -> None:
-        """Queue the last message for ``dst`` before close() (a goodbye): tracked, and its
-        socket watched, so that close() knows when all that was queued for ``dst`` has gone
-        out, or that ``dst`` has closed (its connection refused), and waits no longer."""
-        if dst in self._last or self.closed:
-            return
-        s = self._sock(dst, watch=True)
-        if dst not in self._watched:  # (a socket made before)
-            self._watch(dst, s)
-        mon = self._watched.pop(dst, None)
-        if mon is None:  # (no monitor to be had: sent as any message, lingered for)
+        """Queue the last message for ``dst`` before close() (a goodbye), tracked, so that
+        close() knows when all that was queued for ``dst`` has left ZeroMQ's queue (see
+        _farewell). (On a context of the caller's, which the caller may terminate as soon as
+        close() returns, it goes as any message: close() leaves that context's sockets to
+        ZeroMQ's linger, as before.)"""
+        if not self._own_ctx or dst in self._last:
             self.send(dst, frames)
             return
+        s = self._sock(dst)
         s.copy_threshold = 0  # (pyzmq copies a small frame, and tracks nothing, otherwise)
-        try:
-            for f in frames[:-1]:
-                s.send(f, zmq.SNDMORE | zmq.DONTWAIT)
-            tracker = s.send(frames[-1], zmq.DONTWAIT, copy=False, track=True)
-        except BaseException:
-            _unwatch_zmq(s, mon)
-            raise
-        self._last[dst] = (mon, tracker)
-
-    def _watch(self, dst: int, s: zmq.Socket[Any]) -> None:
-        """A monitor of ``s`` in ``_watched``; none where ZeroMQ makes none (each takes two
-        more sockets and descriptors: a large group can run out of either)."""
-        try:
-            self._watched[dst] = s.get_monitor_socket(_FAREWELL_EVENTS)
-        except zmq.ZMQError:
-            pass
+        for f in frames[:-1]:
+            s.send(f, zmq.SNDMORE | zmq.DONTWAIT)
+        self._last[dst] = s.send(frames[-1], zmq.DONTWAIT, copy=False, track=True)
 
     @property
     def unflushed(self) -> Collection[int]:
@@ -719,84 +700,75 @@ class ZmqEndpoint:
         self.rx.close(0)
         farewells = []
         for dst, s in self.tx.items():
-            last = self._last.pop(dst, None)
-            if last is not None and dst not in gone:
-                farewells.append((s, *last))  # (closed by _farewell, once it knows)
-                continue
-            if last is not None:
-                _unwatch_zmq(s, last[0])
-            # LINGER_MS: queued messages still go out, in ZeroMQ's I/O thread
-            s.close(0 if dst in gone else None)
+            tracker = self._last.pop(dst, None)
+            if tracker is not None and dst not in gone:  # (closed by _farewell)
+                farewells.append((s, tracker, self.peers[dst]))
+            else:
+                # LINGER_MS: queued messages still go out, in ZeroMQ's I/O thread
+                s.close(0 if dst in gone else None)
         self.tx.clear()
         self.bell.close()
-        if self._own_ctx or farewells:
+        if self._own_ctx:
             # (not a daemon: a process that exits right after close() still delivers its
             # last messages, for at most LINGER_MS, as the TCP transport's linger does)
-            threading.Thread(target=_farewell,
-                             args=(farewells, self._ctx if self._own_ctx else None),
-                             daemon=False, name="ctrlcomm-zmq-linger").start()
+            threading.Thread(target=_farewell, args=(farewells, self._ctx), daemon=False,
+                             name="ctrlcomm-zmq-linger").start()
 
 
-# What the monitor of a socket told goodbye reports where the peer has closed (its socket
-# gone: a connection to it refused, which ZeroMQ would try again and again, or cut in its
-# handshake) or is not the peer (the handshake failed on its key); and the connection's other
-# events, which say nothing either way.
-_CLOSED = {zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-           zmq.EVENT_HANDSHAKE_FAILED_AUTH}
-_FAREWELL_EVENTS = functools.reduce(operator.or_, _CLOSED)
-
-
-def _unwatch_zmq(s: zmq.Socket[Any], mon: zmq.Socket[Any]) -> None:
-    with contextlib.suppress(zmq.ZMQError):
-        s.disable_monitor()
-    mon.close(0)
-
-
-def _farewell(socks: list[tuple[zmq.Socket[Any], zmq.Socket[Any], zmq.MessageTracker]],
-              ctx: zmq.Context[Any] | None) -> None:
-    """(A thread of ZmqEndpoint.close.) Close each socket told goodbye once its goodbye, the
-    last message queued on it, has left ZeroMQ's queue (what its I/O thread still holds
-    then goes out within FAREWELL_LINGER_MS); or at once where its monitor says the peer has
-    closed (nothing will reach it); or at LINGER_MS, as the other sockets. Then terminate
-    ``ctx`` (the endpoint's own context: what is queued on its other sockets goes out,
-    within LINGER_MS). (Before, every socket lingered LINGER_MS, and a process whose peers
-    closed first waited that long, 5 s, to exit: the usual end of a group closed on every
-    rank at once.)"""
-    left = {mon: (s, tracker) for s, mon, tracker in socks}
+def _farewell(socks: list[tuple[zmq.Socket[Any], zmq.MessageTracker, str]],
+              ctx: zmq.Context[Any]) -> None:
+    """(A thread of ZmqEndpoint.close, for its own context.) Close each socket told goodbye
+    (with the goodbye's tracker and the peer's address) once the goodbye, its last message,
+    has left ZeroMQ's queue (what the I/O thread still holds then goes out within
+    FAREWELL_LINGER_MS); or at once where the peer's address refuses a connection: it has
+    closed, and nothing queued will reach it (ZeroMQ would try again and again); else at
+    LINGER_MS, as the other sockets. Then terminate ``ctx``. (Before, every socket lingered
+    LINGER_MS: a process whose peers had closed first waited 5 s to exit, the usual end of
+    a group closed on every rank at once, where goodbyes take connections made at close.)"""
+    end = time.monotonic() + LINGER_MS / 1000
+    left = list(enumerate(socks))
+    probe_at = [0.0] * len(socks)
+    gap = [FAREWELL_FIRST_GAP_S] * len(socks)
     try:
-        poller = zmq.Poller()
-        for mon in left:
-            poller.register(mon, zmq.POLLIN)
-        end = time.monotonic() + LINGER_MS / 1000
         while left:
-            for mon, (s, tracker) in list(left.items()):
+            still = []
+            for i, (s, tracker, address) in left:
+                now = time.monotonic()
                 if tracker.done:
-                    del left[mon]
-                    poller.unregister(mon)
-                    _unwatch_zmq(s, mon)
                     s.close(FAREWELL_LINGER_MS)
-            t = end - time.monotonic()
-            if not left or t <= 0:
-                break
-            for mon, _ in poller.poll(max(int(min(t, TRACK_POLL_S) * 1000), 1)):
-                closed = False
-                with contextlib.suppress(zmq.Again):
-                    while not closed:
-                        closed = recv_monitor_message(mon, zmq.NOBLOCK)["event"] in _CLOSED
-                if closed:
-                    s = left.pop(mon)[0]
-                    poller.unregister(mon)
-                    _unwatch_zmq(s, mon)
+                elif now >= end or (now >= probe_at[i] and
+                                    _refused(address, min(FAREWELL_PROBE_S, end - now))):
                     s.close(0)
+                else:
+                    if now >= probe_at[i]:
+                        probe_at[i] = time.monotonic() + gap[i]
+                        gap[i] = min(gap[i] * 2, FAREWELL_PROBE_S)
+                    still.append((i, (s, tracker, address)))
+            left = still
+            if left:
+                time.sleep(TRACK_POLL_S)
     finally:
-        # (at LINGER_MS; or whatever went wrong above: a socket left open would hold
-        # term(), and the exit, for ever)
-        for mon, (s, _) in left.items():
+        # (whatever went wrong above: a socket left open would hold term(), and the exit,
+        # for ever)
+        for _, (s, _, _) in left:
             with contextlib.suppress(Exception):
-                _unwatch_zmq(s, mon)
                 s.close(0)
-        if ctx is not None:
-            ctx.term()
+        ctx.term()
+
+
+def _refused(address: str, timeout: float) -> bool:
+    """Whether a TCP connection to the ZeroMQ endpoint ``address`` ("tcp://host:port") is
+    refused: nothing listens there (its socket closed). Not where it is taken (the peer is
+    there: one that closes at once, before ZeroMQ's greeting, which ZeroMQ drops), nor where
+    it cannot tell (no answer within ``timeout``, no route)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 # A request unanswered for this long is sent again (same id: the server answers it once).
