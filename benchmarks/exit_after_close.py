@@ -7,7 +7,7 @@
   later;
 - ``unclosed``: every rank leaves its group unclosed (vLLM's API has no close()).
 Prints, per rank, the seconds from its close() (or its last call) to its process's exit.
-ZeroMQ before f5b44e3 held the exit of ranks 1-3 of ``4 zmq close`` for LINGER_MS, 5 s.
+ZeroMQ before b6195d4 held the exit of ranks 1-3 of ``4 zmq close`` for LINGER_MS, 5 s.
 """
 
 import subprocess
