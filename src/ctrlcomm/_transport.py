@@ -68,13 +68,11 @@ COPY_THRESHOLD = 65536
 # object may change). Small frames, copied by ZeroMQ, are bounded by HWM.
 ZMQ_ALLOWANCE = 256 * 1024 * 1024
 TRACK_POLL_S = 0.005  # how often a wait over the allowance looks whether ZeroMQ sent more
-# Once a socket's last message (the goodbye) has left ZeroMQ's queue, what its I/O thread may
-# still hold gets this long to go out.
-FAREWELL_LINGER_MS = 200
-# While it has not, the peer's address is tried (a plain TCP connection, given at most
-# FAREWELL_PROBE_S): refused, the peer has closed (see _farewell). At once, then after
-# FAREWELL_FIRST_GAP_S, the gap doubling up to FAREWELL_PROBE_S (a peer there at the first try
-# often closes right after: every rank closes at once).
+# While a socket's last message (the goodbye) has not left ZeroMQ's queue at close, the peer's
+# address is tried (a plain TCP connection, given at most FAREWELL_PROBE_S): refused, the peer
+# has closed (see _farewell). At once, then after FAREWELL_FIRST_GAP_S, the gap doubling up to
+# FAREWELL_PROBE_S (a peer there at the first try often closes right after: every rank closes
+# at once).
 FAREWELL_PROBE_S = 0.5
 FAREWELL_FIRST_GAP_S = 0.01
 
@@ -451,6 +449,10 @@ class ZmqEndpoint:
         self.ended = 0.0  # when the last awaited call on this endpoint ended (run_async)
         self.yielding = 0  # awaited calls giving the loop a turn before they start (run_async)
         self.closed = False
+        # whether close() finds out by itself that a peer has closed, and lingers for it no
+        # longer (see _farewell): not on a context of the caller's (the core then counts an
+        # aborted peer gone, as one it cannot tell)
+        self.sees_peers_gone = self._own_ctx
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
         self.me = -1  # this rank, for which what arrives must be MACed (set by the core)
         self.sink: Callable[[w.Message | None], int | None] | None = None  # unused here
@@ -719,10 +721,10 @@ def _farewell(socks: list[tuple[zmq.Socket[Any], zmq.MessageTracker, str]],
               ctx: zmq.Context[Any]) -> None:
     """(A thread of ZmqEndpoint.close, for its own context.) Close each socket told goodbye
     (with the goodbye's tracker and the peer's address) once the goodbye, its last message,
-    has left ZeroMQ's queue (what the I/O thread still holds then goes out within
-    FAREWELL_LINGER_MS); or at once where the peer's address refuses a connection: it has
-    closed, and nothing queued will reach it (ZeroMQ would try again and again); else at
-    LINGER_MS, as the other sockets. Then terminate ``ctx``. (Before, every socket lingered
+    has left ZeroMQ's queue (lingering, as the other sockets, for what the I/O thread may
+    still hold: nothing is queued to wait for); or at once where the peer's address refuses
+    a connection: it has closed, and nothing queued will reach it (ZeroMQ would try again
+    and again); else at LINGER_MS, as the other sockets. Then terminate ``ctx``. (Before, every socket lingered
     LINGER_MS: a process whose peers had closed first waited 5 s to exit, the usual end of
     a group closed on every rank at once, where goodbyes take connections made at close.)"""
     end = time.monotonic() + LINGER_MS / 1000
@@ -735,7 +737,7 @@ def _farewell(socks: list[tuple[zmq.Socket[Any], zmq.MessageTracker, str]],
             for i, (s, tracker, address) in left:
                 now = time.monotonic()
                 if tracker.done:
-                    s.close(FAREWELL_LINGER_MS)
+                    s.close(LINGER_MS)
                 elif now >= end or (now >= probe_at[i] and
                                     _refused(address, min(FAREWELL_PROBE_S, end - now))):
                     s.close(0)

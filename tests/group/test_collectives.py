@@ -1255,6 +1255,46 @@ def test_what_was_sent_arrives_though_the_owner_of_the_context_terminates_it_aft
     assert got[1] == [(0, 32 << 20), (1, 32 << 20)]
 
 
+def close_after_an_aborter_left(rank, size, port):
+    """Rank 1 aborts and its process ends (no close); rank 0, on a ZeroMQ context of its
+    own, finds out, closes and terminates the context: whether term() still runs after 3 s."""
+    import os
+    import threading
+
+    import zmq
+
+    if rank == 1:
+        g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30, transport="zmq")
+        g.barrier()
+        g.abort("rank 1 gives up")
+        time.sleep(0.5)
+        os._exit(0)
+    ctx = zmq.Context()
+    g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, timeout=30, transport="zmq",
+                              zmq_context=ctx)
+    g.barrier()
+    with contextlib.suppress(ctrlcomm.PeerLostError):
+        g.barrier(timeout=20)
+    time.sleep(1.0)  # (rank 1 has gone)
+    g.close()
+    t = threading.Thread(target=ctx.term)
+    t.start()
+    t.join(3.0)
+    late = t.is_alive()
+    t.join(10.0)
+    return late
+
+
+def test_a_context_of_ones_own_is_not_held_for_a_peer_that_aborted_and_left():
+    # (a version of the fix of the exit's 5 s said goodbye to a rank that had aborted, on any
+    # context: on one of the caller's, which close() leaves to ZeroMQ's linger, the owner's
+    # term() then waited LINGER_MS, 5 s, for a peer gone since)
+    from ctrlcomm.testing import free_port, run_ranks
+
+    assert run_ranks(close_after_an_aborter_left, 2, free_port(), timeout=60,
+                     may_die=(1,))[0] is False
+
+
 def test_an_address_is_refused_only_where_nothing_listens():
     # (how a closing rank tells a peer that has closed, whose queue is dropped, from one that
     # is there but slow, whose queue is lingered for)
