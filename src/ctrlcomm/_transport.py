@@ -724,9 +724,11 @@ def _farewell(socks: list[tuple[zmq.Socket[Any], zmq.MessageTracker, str]],
     has left ZeroMQ's queue (lingering, as the other sockets, for what the I/O thread may
     still hold: nothing is queued to wait for); or at once where the peer's address refuses
     a connection: it has closed, and nothing queued will reach it (ZeroMQ would try again
-    and again); else at LINGER_MS, as the other sockets. Then terminate ``ctx``. (Before, every socket lingered
-    LINGER_MS: a process whose peers had closed first waited 5 s to exit, the usual end of
-    a group closed on every rank at once, where goodbyes take connections made at close.)"""
+    and again); else at LINGER_MS, as the other sockets. Then terminate ``ctx``.
+
+    (Before, every socket lingered LINGER_MS: a process whose peers had closed first waited
+    5 s to exit, the usual end of a group closed on every rank at once, where goodbyes take
+    connections made at close.)"""
     end = time.monotonic() + LINGER_MS / 1000
     left = list(enumerate(socks))
     probe_at = [0.0] * len(socks)
