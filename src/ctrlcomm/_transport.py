@@ -765,9 +765,8 @@ def _refused(address: str, timeout: float) -> bool:
     refused: nothing listens there (its socket closed). Not where it is taken (the peer is
     there: one that closes at once, before ZeroMQ's greeting, which ZeroMQ drops), nor where
     it cannot tell (no answer within ``timeout``, no route)."""
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        with socket.create_connection(_parse_tcp(address)[1], timeout=timeout):
             return False
     except ConnectionRefusedError:
         return True
