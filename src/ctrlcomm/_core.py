@@ -555,11 +555,10 @@ class Core:
     def _send_raw(self, dst: int, kind: int, payload: bytes, seq: int = 0, rnd: int = 0,
                   op: int = 0, root: int = w.NO_ROOT) -> None:
         msg = w.Message(kind, self.rank, self.group_id, seq, rnd, op, root, payload=payload)
+        # (a goodbye is the last message: see ZmqEndpoint.send_last)
+        send = getattr(self.ep, "send_last", self.ep.send) if kind == w.BYE else self.ep.send
         try:
-            if kind == w.BYE and (last := getattr(self.ep, "send_last", None)) is not None:
-                last(dst, w.encode(msg, self.key, dst))  # (see ZmqEndpoint.send_last)
-            else:
-                self.ep.send(dst, w.encode(msg, self.key, dst))
+            send(dst, w.encode(msg, self.key, dst))
         except Exception:  # a status or goodbye message is best effort
             pass
 
