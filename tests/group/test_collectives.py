@@ -1122,7 +1122,6 @@ def test_what_a_multiprocessing_rank_sent_arrives_though_it_left_its_group_unclo
 def close_after_a_peer_left(rank, size, port):
     """Rank 1 closes and exits; rank 0 then sends to it (a collective that fails on it) and
     closes: nothing it queued for rank 1 is lingered for."""
-    import threading
     import time
 
     import ctrlcomm
@@ -1138,10 +1137,7 @@ def close_after_a_peer_left(rank, size, port):
     except ctrlcomm.PeerLostError:
         pass
     g.close()
-    lingering = [t for t in threading.enumerate() if t.name == "ctrlcomm-zmq-linger"]
-    for t in lingering:  # (none: it has ended already)
-        t.join(4)  # (LINGER_MS is 5 s: for a live peer's queue)
-    return any(t.is_alive() for t in lingering)
+    return bool(_lingering(4.0))  # (LINGER_MS is 5 s: for a live peer's queue)
 
 
 def test_a_closing_rank_lingers_not_for_a_peer_known_gone():
