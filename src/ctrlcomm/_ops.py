@@ -88,18 +88,24 @@ def _array_module(x: Any) -> Any:
 _PLAIN = frozenset({int, float, bool})  # numbers combined without looking further
 
 
+# max and min of numbers: the first of equals; a NaN on either side gives NaN, as numpy's
+# and torch's maximum and minimum do (so a NaN on any rank reaches every rank's result,
+# whatever the algorithm's order of combining; ``a if a >= b else b`` alone would give the
+# other operand where either is NaN: max(nan, 1) nan but max(1, nan) 1)
+
+
 def _maximum(a: Any, b: Any) -> Any:
     if type(a) in _PLAIN and type(b) in _PLAIN:
-        return a if a >= b else b
+        return a if a >= b or a != a else b
     m = _array_module(a) or _array_module(b)
-    return m.maximum(a, b) if m is not None else (a if a >= b else b)
+    return m.maximum(a, b) if m is not None else (a if a >= b or a != a else b)
 
 
 def _minimum(a: Any, b: Any) -> Any:
     if type(a) in _PLAIN and type(b) in _PLAIN:
-        return a if a <= b else b
+        return a if a <= b or a != a else b
     m = _array_module(a) or _array_module(b)
-    return m.minimum(a, b) if m is not None else (a if a <= b else b)
+    return m.minimum(a, b) if m is not None else (a if a <= b or a != a else b)
 
 
 def _logical(name: str) -> Callable[[Any, Any], Any]:
@@ -255,8 +261,8 @@ def safe(combine: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
 _FLAT: dict[str, Callable[[Any, Any], Any]] = {
     "sum": functools.partial(map, operator.add),
     "prod": functools.partial(map, operator.mul),
-    "max": lambda a, b: [x if x >= y else y for x, y in zip(a, b, strict=True)],
-    "min": lambda a, b: [x if x <= y else y for x, y in zip(a, b, strict=True)],
+    "max": lambda a, b: [x if x >= y or x != x else y for x, y in zip(a, b, strict=True)],
+    "min": lambda a, b: [x if x <= y or x != x else y for x, y in zip(a, b, strict=True)],
     "band": functools.partial(map, operator.and_),
     "bor": functools.partial(map, operator.or_),
 }

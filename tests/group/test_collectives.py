@@ -154,6 +154,26 @@ def test_reduce_with_an_op_that_does_not_commute_combines_in_rank_order(monkeypa
         assert got == [list(range(n)) if d == r else None for d in range(n)], (r, got)
 
 
+def nan_reductions(g):
+    import asyncio
+    import math
+
+    x = [0.0, math.nan, 2.0][g.rank]
+    got = [g.all_reduce(x, op=op) for op in ("min", "max")]
+    got += [g.reduce(x, op=op, dst=d) for op in ("min", "max") for d in range(g.world_size)]
+    got.append(asyncio.run(g.aio.all_reduce([x, 1.0], op="min")))
+    return [repr(v) for v in got]
+
+
+def test_a_nan_on_one_rank_is_every_ranks_min_and_max():
+    # as numpy's and torch's: the min of [0.0, nan, 2.0] was 2.0, the star's order of
+    # combining giving the operand after the NaN (and reduce's, another order, 0.0)
+    for r, got in enumerate(run_group(nan_reductions, 3)):
+        want = ["nan", "nan"] + [("nan" if d == r else "None") for _ in range(2)
+                                 for d in range(3)] + ["[nan, 1.0]"]
+        assert got == want, (r, got)
+
+
 def own_parts(g):
     """Whether each call's result holds, in this rank's place, the very object it passed."""
     import asyncio

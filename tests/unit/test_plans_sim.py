@@ -184,6 +184,33 @@ def test_chosen_algorithms_grow_logarithmically_beyond_small_worlds():
             assert max(res.sends) <= bound and max(res.steps) <= bound, (op, n, res.sends)
 
 
+@pytest.mark.parametrize("op", ["max", "min"])
+@given(n=st.integers(1, 12), seed=seeds, data=st.data())
+def test_a_nan_on_any_rank_is_every_ranks_max_and_min_whatever_the_algorithm(op, n, seed,
+                                                                              data):
+    # as numpy's and torch's maximum and minimum: "a if a >= b else b" alone gave the other
+    # operand where either was NaN, so the result hung on the order of combining ([0.0, nan,
+    # 2.0] -> min 2.0 by the star, reduce's tree 0.0), and a plain list held it elsewhere
+    # than an array of the same values (always nan)
+    nan_at = data.draw(st.integers(0, n - 1))
+    root = data.draw(st.integers(0, n - 1))
+    vals = [float("nan") if r == nan_at else float(data.draw(st.integers(-3, 3)))
+            for r in range(n)]
+    combine = _ops.combiner(op, "all_reduce", 0)
+    for operand in (lambda r: vals[r], lambda r: [vals[r], 1.0], lambda r: (1, vals[r])):
+        for name, plan in _algo.VARIANTS["all_reduce"].items():
+            res = simulate(lambda c, p=plan, f=operand: p(c, f(c.rank), combine), n, seed=seed)
+            assert all("nan" in repr(x) for x in res.results), (name, vals, res.results)
+        for name, plan in _algo.VARIANTS["reduce"].items():
+            for ordered in (True, False):
+                res = simulate(lambda c, p=plan, o=ordered, f=operand: p(c, f(c.rank), combine,
+                                                                         root, o),
+                               n, seed=seed)
+                assert "nan" in repr(res.results[root]), (name, ordered, vals, res.results)
+    assert combine(1.0, 2.0) == (2.0 if op == "max" else 1.0)  # (numbers as before)
+    assert combine([1.0, 5], [2.0, 3]) == ([2.0, 5] if op == "max" else [1.0, 3])
+
+
 def _reduction_plans():
     for op in ("all_reduce", "reduce"):
         for name, plan in _algo.VARIANTS[op].items():
