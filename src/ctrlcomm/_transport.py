@@ -346,7 +346,10 @@ class _Bell:
 
 def _bind_error(e: zmq.ZMQError, what: str, addr: str) -> CtrlcommError:
     if e.errno == zmq.EADDRINUSE:
-        return StoreError(f"cannot bind {what} on {addr}: address already in use")
+        hint = ("; if it is another group's store (torch's new_group reuses its world's "
+                "port), a group formed through it passes host_store=False, or give this "
+                "group a port of its own") if what == "store" else ""
+        return StoreError(f"cannot bind {what} on {addr}: address already in use{hint}")
     return StoreError(f"cannot bind {what} on {addr}: {e}")
 
 

@@ -862,3 +862,17 @@ def test_a_call_the_store_does_not_know_is_refused_at_once_not_left_to_time_out(
     c.set("still", "works")
     assert c.get("still") == b"works"
     c.close()
+
+
+def test_a_group_hosting_its_store_where_another_listens_is_told_how_to_share_it():
+    # as torch's new_group, which reuses its world's port: rank 0 of the second group, given
+    # the port of the first one's store, binds there by default; the error says what to do
+    # (before: "address already in use" alone)
+    with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
+        with pytest.raises(ctrlcomm.StoreError, match="address already in use.*"
+                                                      "host_store=False"):
+            ctrlcomm.Group.create("127.0.0.1", srv.port, 0, 2, name="sub", timeout=5)
+        # and, told so, it forms through that store (a world of one: nobody else to wait for)
+        with ctrlcomm.Group.create("127.0.0.1", srv.port, 0, 1, name="sub", timeout=5,
+                                   host_store=False) as g:
+            assert g.all_gather("x") == ["x"]
