@@ -233,6 +233,9 @@ class Core:
         # its seq
         self.status_in_call: dict[int, int] = {}
         self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
+        # those of them declared gone on silence (heartbeats, a grace that ran out), not on
+        # a word or the end of their stream: a goodbye read later says why better
+        self._guessed: set[int] = set()
         # those of them that aborted, not known closed: still there, and told goodbye (an
         # aborted rank's own goodbye to a rank closed already lingered: 5 s at its exit)
         self.aborters: set[int] = set()
@@ -281,6 +284,7 @@ class Core:
         self._last_probe = -math.inf  # when a collective last asked them early (FIRST_PROBE)
         self._probe_error: MismatchError | None = None  # the last raised from an answer
         self._looked = False  # whether it read its sockets once more at the deadline
+        self._settled = False  # whether it read them to their end before raising a loss
         # messages without a MAC go to a stream endpoint framed in one piece (Core._post)
         self._stream = endpoint.STREAM and not key
         # ... and, pickled, the usual small object is framed in line (Core._post)
@@ -306,7 +310,11 @@ class Core:
         text = f"is gone ({why}; its process died or exited without close())"
         if certain:
             # a goodbye that arrived before the connection closed is the better explanation
-            self.gone.setdefault(rank, text)
+            if rank in self._guessed:
+                self._guessed.discard(rank)
+                self.gone[rank] = text
+            else:
+                self.gone.setdefault(rank, text)
         else:
             self.suspects.setdefault(rank, (time.monotonic() + SUSPECT_GRACE, text))
 
@@ -334,6 +342,7 @@ class Core:
                 until, text = self.suspects[s]
                 if now >= until:
                     self.gone[s] = text
+                    self._guessed.add(s)
                     continue
                 nxt = min(nxt, until)
             if hb is not None and limit is not None:
@@ -355,6 +364,7 @@ class Core:
                 else:
                     self.gone[s] = (f"stopped answering heartbeats {silent:.1f} s ago (its "
                                     "process is stopped, hung, or cut off from the network)")
+                    self._guessed.add(s)
         return [s for s in missing if s in self.gone], nxt
 
     # ------------------------------------------------------------------------ receiving
@@ -425,8 +435,12 @@ class Core:
                     self.mismatch = self._probe_error = self._probed_mismatch(a)
         elif k == w.BYE:
             why = bytes(m.payload).decode(errors="replace")  # (why it was broken, if it was)
-            self.gone.setdefault(m.src, f"closed the group (broken there: {why})" if why
-                                 else "closed the group")
+            text = f"closed the group (broken there: {why})" if why else "closed the group"
+            if m.src in self._guessed:  # (declared gone on silence before this was read)
+                self._guessed.discard(m.src)
+                self.gone[m.src] = text
+            else:
+                self.gone.setdefault(m.src, text)
             self.aborters.discard(m.src)
         elif k == w.ABORT:
             reason = bytes(m.payload).decode(errors="replace")
@@ -527,6 +541,14 @@ class Core:
             raise GroupClosedError(f"group {self.name!r} (rank {self.rank}) was closed "
                                    "during the call")
         self.ep.drain(self._sink)
+
+    def settle(self) -> None:
+        """As :meth:`pump`, but what the sockets hold read to its end (the endpoint's
+        settle), before a wait raises that a peer it waits for is lost."""
+        self.pump()
+        settle = getattr(self.ep, "settle", None)  # (a test's stand-in may have none)
+        if settle is not None:
+            settle(self._sink)
 
     def _answer_status(self, dst: int) -> None:
         """Tell ``dst`` what this rank is doing: in words, and in the header the collective
@@ -696,7 +718,8 @@ class Core:
                 reply = {}
                 if not recvs:
                     continue
-                self._probed = self._looked = False  # per step: its missing ranks are asked
+                # per step: its missing ranks are asked, its sockets read to the end at a loss
+                self._probed = self._looked = self._settled = False
                 if self._xp and not box.get(seq) and not self.paused:
                     # the usual step: each message read straight from its sender's socket
                     # (what is left, or anything unusual, the general way below)
@@ -1122,6 +1145,14 @@ class Core:
         else:
             lost, suspect_at = self._check_lost(missing, now)
         if lost:
+            if not self._settled:
+                # first, what the sockets hold read to its end, and looked at by the caller:
+                # a peer that sent what is waited for and then left (exited, closed: its
+                # heartbeats stopped long ago) had it taken, not lost (a connection it made
+                # while this rank was away is accepted in one drain, read in the next)
+                self._settled = True
+                self.settle()
+                return 0.0
             what = f"{name} #{seq}" if seq is not None else name
             raise PeerLostError(
                 f"{what} on group {self.name!r} cannot complete on rank {self.rank}: "
@@ -1332,7 +1363,7 @@ class Core:
         name = what or f"recv(src={src}, tag={tag})"
         start = _monotonic()
         deadline = start + t
-        self._probed = self._looked = False
+        self._probed = self._looked = self._settled = False
         self.active = (name, -1, 0, w.NO_ROOT)
         try:
             if self._xp and not self.p2p.get((src, tag)) and not self.paused:

@@ -593,6 +593,13 @@ class ZmqEndpoint:
                 break
         return n
 
+    def settle(self, sink: Callable[[w.Message | None], int | None]) -> None:
+        """Receive what has come in, to its end (a flood: SETTLE_ROUNDS drains at most):
+        before a peer is declared lost, what it sent first is taken (Core.settle)."""
+        for _ in range(SETTLE_ROUNDS):
+            if not self.drain(sink):
+                return
+
     def _capped(self, timeout: float) -> float:
         """A wait's ``timeout``, TRACK_POLL_S at most where the core waits for a backlog
         to go down: nothing wakes it as ZeroMQ sends, so it looks again soon (it asks
@@ -1264,6 +1271,7 @@ _EXPRESS, _EXPRESS_SIZE, _EXPRESS_LEAD = w.EXPRESS.unpack_from, w.EXPRESS.size, 
 _HEAD, _MAGIC, _VERSION, _PICKLE = w.HEADER.pack, w.MAGIC, w.VERSION, w.PICKLE
 _EPOLLIN = select.EPOLLIN
 FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
+SETTLE_ROUNDS = 8  # drains of a settle (see TcpEndpoint.settle): accept, identify, read
 
 
 def _turn_due(ep: TcpEndpoint | ZmqEndpoint) -> bool:
@@ -1718,6 +1726,18 @@ class TcpEndpoint:
             if c.inbound and c.rank == src and not c.paused:
                 c.paused = True
                 self._register(c, 0)
+
+    def settle(self, sink: Callable[[w.Message | None], int | None]) -> None:
+        """Read what the sockets hold now, to its end (a flood: SETTLE_ROUNDS drains at
+        most): a connection accepted in one drain is read in the next, so before a peer is
+        declared lost, what it sent before it went is taken (Core.settle)."""
+        self.drain(sink)
+        for _ in range(SETTLE_ROUNDS):
+            ready = self.ep.poll(0)
+            if not ready or self.closed:
+                return
+            self._ready = ready
+            self.drain(sink)
 
     def resume(self, src: int) -> None:
         for c in self.conns.values():

@@ -1200,6 +1200,42 @@ def test_peer_that_closed_is_reported_fast():
     assert ranks == [1] and "rank 1" in msg and took < 5
 
 
+def sent_then_left_long_ago(g, aio):
+    """Ranks 1 and 2 send (rank 2 in a broadcast too) and close; rank 0 takes it all well
+    after their heartbeats stopped."""
+    import asyncio
+
+    if g.rank:
+        g.send({"from": g.rank}, 0)
+        if g.rank == 2:
+            g.broadcast(("config", 2), src=2)
+        return None
+    time.sleep(2.5)  # (its own work: past liveness_timeout, the peers long gone)
+    got = []
+    for src in (1, 2):
+        got.append(asyncio.run(g.aio.recv(src)) if aio else g.recv(src))
+    got.append(g.broadcast(None, src=2))
+    try:
+        g.recv(1, timeout=5)
+    except ctrlcomm.PeerLostError as e:
+        got.append(str(e))
+    return got
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+@pytest.mark.parametrize("aio", [False, True], ids=["blocking", "awaited"])
+def test_what_a_peer_sent_before_it_left_is_taken_however_late(transport, aio):
+    # as from vLLM's store, where a sent object outlives its sender: workers send their
+    # results and exit, the coordinator collects them later. Before, a recv made after the
+    # sender's heartbeats had stopped for liveness_timeout declared it lost, what it had sent
+    # unread (rank 1's connection, made while rank 0 was away, was accepted but not read)
+    got = run_group(sent_then_left_long_ago, 3, aio, group_kwargs={
+        "transport": transport, "liveness_timeout": 1.0, "heartbeat_interval": 0.2})[0]
+    assert got[:3] == [{"from": 1}, {"from": 2}, ("config", 2)], got
+    # and the loss that follows says why: its goodbye, read then, over the silence
+    assert "rank 1 closed the group" in got[3], got
+
+
 # ------------------------------------------------------------------------- formation
 
 
