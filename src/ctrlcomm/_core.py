@@ -263,6 +263,12 @@ class Core:
         self._lock = threading.Lock()
         self._owner = ""
         self._holder = 0  # the thread whose call last took the lock (0: close or abort did)
+        # awaited collectives of one event loop take turns (run_async): at key 0, the
+        # (thread, loop) whose awaited collective has the turn (none: none has; taken with
+        # setdefault, which no other thread can interleave), and the futures of those
+        # queued behind it (of that loop only), first come first
+        self._turn: dict[int, tuple[int, asyncio.AbstractEventLoop]] = {}
+        self._turns: deque[asyncio.Future[None]] = deque()
         # what close() and abort() asked for while a call held the group ("close", "") or
         # ("abort", reason): the sockets are used by the thread holding the group only, so
         # that thread does it, woken at once (see _defer)
@@ -1634,7 +1640,47 @@ def cancelled_before_it_began(core: Core, collective: str) -> None:
                    f"on rank {core.rank} (before it began)")
 
 
-async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
+def _pass_turn(core: Core, turn: tuple[int, asyncio.AbstractEventLoop]) -> None:
+    """(An awaited collective's turn ends, in its loop.) The next one queued in that loop
+    is woken, the turn its (first come, first served: one that starts meanwhile queues
+    behind it); else the turn is free."""
+    box = core._turn
+    if box.get(0) != turn:
+        return
+    q = core._turns
+    while q:
+        f = q.popleft()
+        if not f.done():
+            f.set_result(None)
+            return
+    del box[0]  # (ours: another thread only ever adds it where absent)
+
+
+async def _queue_turn(core: Core, collective: str, timeout: float | None,
+                      turn: tuple[int, asyncio.AbstractEventLoop]) -> None:
+    """Wait for the turn while another awaited collective of this event loop has it.
+    Cancelled, or past ``timeout`` (the group's default for None), the call is not made,
+    as one refused: the group still works."""
+    fut = asyncio.get_running_loop().create_future()
+    core._turns.append(fut)
+    t = core.timeout if timeout is None else timeout
+    try:
+        await asyncio.wait_for(asyncio.shield(fut), None if math.isinf(t) else t)
+    except BaseException as e:
+        if fut.done() and not fut.cancelled():
+            _pass_turn(core, turn)  # (handed the turn as it gave up: to the next)
+        else:
+            fut.cancel()  # (passed over in the queue)
+        if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+            raise ConcurrentUseError(
+                f"{collective} on group {core.name!r} (rank {core.rank}) waited {t:g} s for "
+                f"its turn behind {core._owner or 'another call'}, another task's of this "
+                "event loop: not made (the group still works)") from None
+        raise
+
+
+async def run_async(core: Core, gen: Wait, collective: str = "",
+                    timeout: float | None = None) -> Any:
     """Asyncio driver: as :func:`run_sync`, but waits through the event loop.
 
     A call whose messages were read already completes without suspending, as
@@ -1652,43 +1698,71 @@ async def run_async(core: Core, gen: Wait, collective: str = "") -> Any:
     ``collective``: the name of the collective ``gen`` runs. One cancelled in that turn,
     before it began, breaks the group as one cancelled while it runs does (the others are
     told): its caller cannot tell the two apart, and a rank that went on would pair its
-    next collective with the others' this one."""
+    next collective with the others' this one.
+
+    Awaited collectives of one event loop take turns, first come first: one started while
+    another (another task's) has the turn waits for it, up to ``timeout`` (the call's:
+    its own deadline starts as it begins). So collectives gathered with asyncio.gather run
+    on every rank in the order their tasks started, as torch's async_op works queue;
+    before, one was refused (ConcurrentUseError) on a rank where the other waited, and run
+    on a rank where the other had not had to: paired with the wrong call, silently. A call
+    cancelled or timed out while queued is not made, as one refused. Point-to-point calls,
+    and calls of other threads, are refused or waited for as before."""
+    turn = None
+    if collective:
+        turn = (_get_ident(), asyncio.get_running_loop())
+        held = core._turn.setdefault(0, turn)
+        if held is not turn:
+            if held != turn:
+                turn = None  # (another thread's or loop's turn: refused as before)
+            else:
+                try:
+                    await _queue_turn(core, collective, timeout, turn)
+                except BaseException:
+                    gen.close()
+                    raise
     ep = core.ep
-    if ep.yielding or (_monotonic() - ep.ended < FAIR_S and _turn_due(ep)):
-        ep.yielding += 1
-        try:
-            await asyncio.sleep(0)  # (gen not started: nothing to close if cancelled here)
-        except BaseException:
-            cancelled_before_it_began(core, collective)
-            raise
-        finally:
-            ep.yielding -= 1
-    # (ep.io: held while the call runs, released while it is suspended in a wait: see
-    # Core._abort_suspended)
-    io = ep.io
-    if not io.acquire(False) and not _take_io(core, io):
-        # held by another thread's call (an awaited one mid-step, a long reduction callable
-        # say, or a watchdog's abort for one suspended), which holds the group too: refused
-        # at once, as the group would refuse it, without blocking this loop; or held past
-        # IO_TAKE_S (a copy held by a thread of the parent that forked this process)
-        gen.close()
-        raise ConcurrentUseError(
-            f"group {core.name!r} (rank {core.rank}) is busy with {core._owner or 'a call'} "
-            "in another thread: a group is used by one thread or coroutine at a time")
     try:
-        delay = next(gen)
-        while True:
+        if ep.yielding or (_monotonic() - ep.ended < FAIR_S and _turn_due(ep)):
+            ep.yielding += 1
             try:
-                await ep.wait_async(delay)
-            except BaseException:  # cancelled: let the generator record what that means
-                gen.close()
+                await asyncio.sleep(0)  # (gen not started: nothing to close if cancelled here)
+            except BaseException:
+                cancelled_before_it_began(core, collective)
                 raise
-            delay = gen.send(None)
-    except StopIteration as e:
-        return e.value
+            finally:
+                ep.yielding -= 1
+        # (ep.io: held while the call runs, released while it is suspended in a wait: see
+        # Core._abort_suspended)
+        io = ep.io
+        if not io.acquire(False) and not _take_io(core, io):
+            # held by another thread's call (an awaited one mid-step, a long reduction
+            # callable say, or a watchdog's abort for one suspended), which holds the group
+            # too: refused at once, as the group would refuse it, without blocking this
+            # loop; or held past IO_TAKE_S (a copy held by a thread of the parent that
+            # forked this process)
+            gen.close()
+            raise ConcurrentUseError(
+                f"group {core.name!r} (rank {core.rank}) is busy with "
+                f"{core._owner or 'a call'} in another thread: a group is used by one thread "
+                "or coroutine at a time")
+        try:
+            delay = next(gen)
+            while True:
+                try:
+                    await ep.wait_async(delay)
+                except BaseException:  # cancelled: let the generator record what that means
+                    gen.close()
+                    raise
+                delay = gen.send(None)
+        except StopIteration as e:
+            return e.value
+        finally:
+            ep.ended = _monotonic()
+            io.release()
     finally:
-        ep.ended = _monotonic()
-        io.release()
+        if turn is not None:
+            _pass_turn(core, turn)
 
 
 __all__ = ["Call", "Core", "cancelled_before_it_began", "run_sync", "run_async"]

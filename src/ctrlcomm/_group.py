@@ -384,9 +384,8 @@ def _run_sync(core: Core, call: Call, timeout: float | None) -> Any:
 
 
 async def _run_async(core: Core, call: Call, timeout: float | None) -> Any:
-    r = await run_async(core, core.collective(call, None if timeout is None
-                                              else _timeout_arg(timeout, call.name, core.rank)),
-                        call.name)
+    t = None if timeout is None else _timeout_arg(timeout, call.name, core.rank)
+    r = await run_async(core, core.collective(call, t), call.name, t)
     if call.reduces and (type(r) in _MAY_FAIL or type(call.args[0]) in _MAY_FAIL):
         return _reduced(call, core, r)
     return r
@@ -642,7 +641,9 @@ class Group:
     The blocking methods run in the caller's thread; ``group.aio`` offers the same methods as
     coroutines, driven by the running event loop. Both share one sequence counter, so blocking
     and awaited calls may be mixed. A group is used by one thread (or coroutine) at a time: a
-    second caller while one is inside gets :class:`ConcurrentUseError`.
+    second caller while one is inside gets :class:`ConcurrentUseError`; but awaited
+    collectives of one event loop take turns, first come first (``asyncio.gather`` of
+    several runs them in the order their tasks started, on every rank).
     """
 
     _finalizer: weakref.finalize[Any, Any] | None = None
@@ -1273,7 +1274,9 @@ class AioGroup:
 
     Waiting goes through the running event loop (a reader on the socket's descriptor): other
     coroutines keep running while a call waits. Cancelling an awaited collective breaks the
-    group (peers may have taken part of it); cancelling ``recv`` leaves it working.
+    group (peers may have taken part of it); cancelling ``recv`` leaves it working. Awaited
+    collectives of one event loop take turns, first come first; one cancelled while still
+    queued behind another is not made (the group works).
     """
 
     def __init__(self, group: Group) -> None:

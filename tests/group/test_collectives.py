@@ -242,6 +242,72 @@ def test_gathered_awaited_calls_keep_their_order(transport):
                      group_kwargs={"transport": transport})[0] == []
 
 
+def gathered_collectives_take_turns(g):
+    """Both ranks gather four awaited collectives, skewed: rank 1 late for each round, or
+    rank 0, so that on one rank the first call waits (suspends) while on the other it finds
+    what it waits for there (completes without suspending). Before, the rank whose first
+    call waited refused the second (ConcurrentUseError) while the other ran both: the
+    second paired with the refusing rank's next call, silently ([2, 12] where [2, 4])."""
+    import asyncio
+
+    async def main():
+        out = []
+        for i in range(30):
+            if (g.rank + i) % 3 == 0:
+                await asyncio.sleep(0.02)  # (late this round)
+            out.append(await asyncio.gather(
+                g.aio.all_reduce(i + g.rank), g.aio.all_gather((i, g.rank)),
+                g.aio.broadcast(("b", i, g.rank), src=i % 2), g.aio.all_reduce([1, i])))
+        return out
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_gathered_awaited_collectives_run_in_the_order_their_tasks_started(transport):
+    for got in run_group(gathered_collectives_take_turns, 2, timeout=120,
+                         group_kwargs={"transport": transport}):
+        assert got == [[2 * i + 1, [(i, 0), (i, 1)], ("b", i, i % 2), [2, 2 * i]]
+                       for i in range(30)], got
+
+
+def queued_collective_cancelled_or_late(g):
+    """Rank 0: task A's all_gather waits for rank 1 (1 s late); task B's barrier, queued
+    behind it, is cancelled, and task C's all_reduce, queued too, times out (0.3 s). Neither
+    is made (as one refused): both ranks go on in step."""
+    import asyncio
+
+    async def main():
+        if g.rank == 1:
+            await asyncio.sleep(1.0)
+            return await g.aio.all_gather("A", timeout=20), None, None
+        a = asyncio.ensure_future(g.aio.all_gather("A", timeout=20))
+        await asyncio.sleep(0.1)  # (A waits for rank 1)
+        b = asyncio.ensure_future(g.aio.barrier(timeout=20))
+        c = asyncio.ensure_future(g.aio.all_reduce(1, timeout=0.3))
+        await asyncio.sleep(0.1)  # (B and C queued behind A)
+        b.cancel()
+        try:
+            await c
+            late = "made"
+        except ctrlcomm.ConcurrentUseError as e:
+            late = str(e)
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        return await a, late, g.broken
+
+    out = asyncio.run(main())
+    return out, g.all_reduce(1, timeout=20), asyncio.run(g.aio.all_gather(g.rank))
+
+
+def test_a_queued_awaited_collective_cancelled_or_timed_out_is_not_made():
+    (a0, late, broken), r0, ag0 = run_group(queued_collective_cancelled_or_late, 2,
+                                            timeout=60)[0]
+    assert a0 == ["A", "A"] and broken is False and r0 == 2 and ag0 == [0, 1]
+    assert "all_reduce" in late and "waited 0.3 s for its turn behind all_gather" in late \
+        and "not made (the group still works)" in late, late
+
+
 FLOOD = 100_000
 
 
