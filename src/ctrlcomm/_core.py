@@ -269,6 +269,9 @@ class Core:
         # queued behind it (of that loop only), first come first
         self._turn: dict[int, tuple[int, asyncio.AbstractEventLoop]] = {}
         self._turns: deque[asyncio.Future[None]] = deque()
+        # why the group breaks once the turn's holder has ended: a collective queued behind
+        # it gave up (cancelled, timed out) before it began (cancelled_before_it_began)
+        self._owed = ""
         # what close() and abort() asked for while a call held the group ("close", "") or
         # ("abort", reason): the sockets are used by the thread holding the group only, so
         # that thread does it, woken at once (see _defer)
@@ -291,6 +294,7 @@ class Core:
         self._probe_error: MismatchError | None = None  # the last raised from an answer
         self._looked = False  # whether it read its sockets once more at the deadline
         self._settled = False  # whether it read them to their end before raising a loss
+        self._settle_more = False  # ... and whether that read took anything (look again)
         # messages without a MAC go to a stream endpoint framed in one piece (Core._post)
         self._stream = endpoint.STREAM and not key
         # ... and, pickled, the usual small object is framed in line (Core._post)
@@ -475,6 +479,7 @@ class Core:
                                        f"rank {m.src}): {text}", ranks=lost))
             else:
                 self.gone[m.src] = f"aborted the group: {reason}"
+                self._guessed.discard(m.src)
                 self.aborters.add(m.src)
                 aborted = PeerLostError(f"group {self.name!r}: rank {m.src} aborted the "
                                         f"group: {reason}", ranks=[m.src])
@@ -725,7 +730,7 @@ class Core:
                 if not recvs:
                     continue
                 # per step: its missing ranks are asked, its sockets read to the end at a loss
-                self._probed = self._looked = self._settled = False
+                self._probed = self._looked = self._settled = self._settle_more = False
                 if self._xp and not box.get(seq) and not self.paused:
                     # the usual step: each message read straight from its sender's socket
                     # (what is left, or anything unusual, the general way below)
@@ -1151,13 +1156,18 @@ class Core:
         else:
             lost, suspect_at = self._check_lost(missing, now)
         if lost:
-            if not self._settled:
+            if not self._settled or self._settle_more and now < deadline:
                 # first, what the sockets hold read to its end, and looked at by the caller:
                 # a peer that sent what is waited for and then left (exited, closed: its
                 # heartbeats stopped long ago) had it taken, not lost (a connection it made
-                # while this rank was away is accepted in one drain, read in the next)
+                # while this rank was away is accepted in one drain, read in the next). A
+                # settle's reads are bounded (a flood: FAIR_S a drain, SETTLE_ROUNDS drains):
+                # while one takes anything, another follows (what a lost peer sent is finite;
+                # the deadline bounds the rest)
                 self._settled = True
+                n = self.received
                 self.settle()
+                self._settle_more = self.received != n
                 return 0.0
             what = f"{name} #{seq}" if seq is not None else name
             raise PeerLostError(
@@ -1369,7 +1379,7 @@ class Core:
         name = what or f"recv(src={src}, tag={tag})"
         start = _monotonic()
         deadline = start + t
-        self._probed = self._looked = self._settled = False
+        self._probed = self._looked = self._settled = self._settle_more = False
         self.active = (name, -1, 0, w.NO_ROOT)
         try:
             if self._xp and not self.p2p.get((src, tag)) and not self.paused:
@@ -1628,15 +1638,26 @@ def _take_io(core: Core, io: Any) -> bool:
     return False
 
 
-def cancelled_before_it_began(core: Core, collective: str) -> None:
+def cancelled_before_it_began(core: Core, collective: str, how: str = "was cancelled"
+                              ) -> None:
     """An awaited collective ``collective`` (a name; "": a point-to-point call) was
     cancelled before it began: the group breaks, as where one is cancelled while it runs
     (the others are told). Its caller cannot tell the two apart, and a rank that went on
-    would pair its next collective with the others' this one. Not where another call holds
-    the group: this one would have been refused (ConcurrentUseError), which leaves the
-    group working (and breaking it would end that call); nor in a world of one."""
-    if collective and core.state == "open" and core.size > 1 and not core._lock.locked():
-        core.abort(f"{collective} #{core.seq} on group {core.name!r} was cancelled "
+    would pair its next collective with the others' this one. Where an awaited collective
+    of this event loop has the turn (run_async), this one would have waited for it and
+    been made: the group breaks once that one has ended (_pass_turn), which the others
+    made too. Not where another call holds the group otherwise: this one would have been
+    refused (ConcurrentUseError), which leaves the group working (and breaking it would end
+    that call); nor in a world of one."""
+    if not collective or core.state != "open" or core.size <= 1:
+        return
+    why = (f"{collective} on group {core.name!r} {how} on rank {core.rank} before it began "
+           "(queued behind another collective of its event loop)")
+    held = core._turn.get(0)
+    if held is not None and held[0] == _get_ident() and held[1] is asyncio._get_running_loop():
+        core._owed = core._owed or why
+    elif not core._lock.locked():
+        core.abort(f"{collective} #{core.seq} on group {core.name!r} {how} "
                    f"on rank {core.rank} (before it began)")
 
 
@@ -1647,6 +1668,9 @@ def _pass_turn(core: Core, turn: tuple[int, asyncio.AbstractEventLoop]) -> None:
     box = core._turn
     if box.get(0) != turn:
         return
+    if core._owed:  # (a collective queued behind this one was not made: see there)
+        why, core._owed = core._owed, ""
+        core.abort(why)
     q = core._turns
     while q:
         f = q.popleft()
@@ -1656,27 +1680,51 @@ def _pass_turn(core: Core, turn: tuple[int, asyncio.AbstractEventLoop]) -> None:
     del box[0]  # (ours: another thread only ever adds it where absent)
 
 
+class _TurnTimeout(Exception):
+    """(_queue_turn's timer fired.)"""
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(_TurnTimeout())
+
+
 async def _queue_turn(core: Core, collective: str, timeout: float | None,
                       turn: tuple[int, asyncio.AbstractEventLoop]) -> None:
-    """Wait for the turn while another awaited collective of this event loop has it.
-    Cancelled, or past ``timeout`` (the group's default for None), the call is not made,
-    as one refused: the group still works."""
-    fut = asyncio.get_running_loop().create_future()
+    """Wait for the turn while another awaited collective of this event loop has it, up to
+    ``timeout`` (the group's default for None). Cancelled, or past it, the call is not made
+    here, though the others would make it: the group breaks once the holder's call has
+    ended (cancelled_before_it_began). (Its own future and timer, not asyncio.wait_for: on
+    Python 3.10 and 3.11 that returns the result, the cancellation lost, where a task is
+    cancelled as the future completes, CPython gh-86296: the call then ran.)"""
+    loop = turn[1]
+    fut = loop.create_future()
     core._turns.append(fut)
     t = core.timeout if timeout is None else timeout
+    timer = None if math.isinf(t) else loop.call_later(t, _expire, fut)
     try:
-        await asyncio.wait_for(asyncio.shield(fut), None if math.isinf(t) else t)
+        await fut
     except BaseException as e:
-        if fut.done() and not fut.cancelled():
+        timed_out = isinstance(e, _TurnTimeout)
+        # (first: the turn's holder, this call where handed the turn as it gave up, breaks
+        # the group as it passes the turn on)
+        cancelled_before_it_began(core, collective, "timed out" if timed_out else
+                                  "was cancelled")
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
             _pass_turn(core, turn)  # (handed the turn as it gave up: to the next)
-        else:
+        elif not fut.done():
             fut.cancel()  # (passed over in the queue)
-        if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-            raise ConcurrentUseError(
-                f"{collective} on group {core.name!r} (rank {core.rank}) waited {t:g} s for "
-                f"its turn behind {core._owner or 'another call'}, another task's of this "
-                "event loop: not made (the group still works)") from None
+        if timed_out:
+            raise CollectiveTimeoutError(
+                f"{collective} on group {core.name!r} timed out after {t:g} s on rank "
+                f"{core.rank} queued behind {core._owner or 'another call'}, another task's "
+                "of this event loop: not made here, though the others may make it, so the "
+                "group breaks once that call has ended", op=collective,
+                group=core.name) from None
         raise
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 async def run_async(core: Core, gen: Wait, collective: str = "",
@@ -1705,13 +1753,22 @@ async def run_async(core: Core, gen: Wait, collective: str = "",
     its own deadline starts as it begins). So collectives gathered with asyncio.gather run
     on every rank in the order their tasks started, as torch's async_op works queue;
     before, one was refused (ConcurrentUseError) on a rank where the other waited, and run
-    on a rank where the other had not had to: paired with the wrong call, silently. A call
-    cancelled or timed out while queued is not made, as one refused. Point-to-point calls,
+    on a rank where the other had not had to: paired with the wrong call, silently. (The
+    order is the one in which calls reach the group: where a task makes several in a row,
+    another task's may come between them on one rank and not on another.) A call
+    cancelled or timed out while queued is not made here, though the others may make it:
+    the group breaks once the holder's call has ended (cancelled_before_it_began). A turn
+    left by a loop closed before its call could end is taken over. Point-to-point calls,
     and calls of other threads, are refused or waited for as before."""
     turn = None
     if collective:
         turn = (_get_ident(), asyncio.get_running_loop())
         held = core._turn.setdefault(0, turn)
+        if held is not turn and held[1].is_closed():
+            # (left by a call of a loop closed before it could end: nothing can pass it)
+            core._turns.clear()
+            core._owed = ""
+            core._turn[0] = held = turn
         if held is not turn:
             if held != turn:
                 turn = None  # (another thread's or loop's turn: refused as before)

@@ -1276,7 +1276,8 @@ class AioGroup:
     coroutines keep running while a call waits. Cancelling an awaited collective breaks the
     group (peers may have taken part of it); cancelling ``recv`` leaves it working. Awaited
     collectives of one event loop take turns, first come first; one cancelled while still
-    queued behind another is not made (the group works).
+    queued behind another is not made here, though the other ranks may make it: the group
+    breaks once the call before it has ended.
     """
 
     def __init__(self, group: Group) -> None:

@@ -271,41 +271,122 @@ def test_gathered_awaited_collectives_run_in_the_order_their_tasks_started(trans
                        for i in range(30)], got
 
 
-def queued_collective_cancelled_or_late(g):
-    """Rank 0: task A's all_gather waits for rank 1 (1 s late); task B's barrier, queued
-    behind it, is cancelled, and task C's all_reduce, queued too, times out (0.3 s). Neither
-    is made (as one refused): both ranks go on in step."""
+def queued_collective_given_up(g, how):
+    """Rank 0: task A's all_gather waits for rank 1 (0.6 s late); task B's barrier, queued
+    behind it, gives up: cancelled, or past its own timeout (0.2 s). Rank 1 makes A and
+    then B, as a rank that gathered both would.
+    B is not made on rank 0: the group breaks once A has ended (which both made), so that
+    no call pairs with another (before: B "not made", the group open, rank 0's next call
+    paired with rank 1's B, silently)."""
     import asyncio
 
     async def main():
         if g.rank == 1:
-            await asyncio.sleep(1.0)
-            return await g.aio.all_gather("A", timeout=20), None, None
-        a = asyncio.ensure_future(g.aio.all_gather("A", timeout=20))
+            await asyncio.sleep(0.6)
+            a = await g.aio.all_gather("A", timeout=20)
+            try:
+                await g.aio.barrier(timeout=20)
+                return a, "B made"
+            except ctrlcomm.PeerLostError as e:
+                return a, str(e)
+        ta = asyncio.ensure_future(g.aio.all_gather("A", timeout=20))
         await asyncio.sleep(0.1)  # (A waits for rank 1)
-        b = asyncio.ensure_future(g.aio.barrier(timeout=20))
-        c = asyncio.ensure_future(g.aio.all_reduce(1, timeout=0.3))
-        await asyncio.sleep(0.1)  # (B and C queued behind A)
-        b.cancel()
+        tb = asyncio.ensure_future(g.aio.barrier(timeout=0.2 if how == "timeout" else 20))
+        await asyncio.sleep(0.1)  # (B queued behind A)
+        if how == "cancel":
+            tb.cancel()
         try:
-            await c
-            late = "made"
-        except ctrlcomm.ConcurrentUseError as e:
-            late = str(e)
-        with pytest.raises(asyncio.CancelledError):
-            await b
-        return await a, late, g.broken
+            await tb
+            b = "B made"
+        except (asyncio.CancelledError, ctrlcomm.CollectiveTimeoutError) as e:
+            b = f"{type(e).__name__}: {e}"
+        a = await ta
+        try:
+            g.all_reduce(1, timeout=5)
+            after = "next call made"
+        except ctrlcomm.GroupBrokenError as e:
+            after = str(e)
+        return a, b, after
 
-    out = asyncio.run(main())
-    return out, g.all_reduce(1, timeout=20), asyncio.run(g.aio.all_gather(g.rank))
+    return asyncio.run(main())
 
 
-def test_a_queued_awaited_collective_cancelled_or_timed_out_is_not_made():
-    (a0, late, broken), r0, ag0 = run_group(queued_collective_cancelled_or_late, 2,
-                                            timeout=60)[0]
-    assert a0 == ["A", "A"] and broken is False and r0 == 2 and ag0 == [0, 1]
-    assert "all_reduce" in late and "waited 0.3 s for its turn behind all_gather" in late \
-        and "not made (the group still works)" in late, late
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+def test_a_queued_awaited_collective_given_up_breaks_the_group_once_the_one_before_ends(how):
+    (a0, b, after), (a1, told) = run_group(queued_collective_given_up, 2, how, timeout=60)
+    assert a0 == a1 == ["A", "A"], (a0, a1)
+    if how == "timeout":
+        assert b.startswith("CollectiveTimeoutError") and "timed out after 0.2 s" in b \
+            and "queued behind all_gather" in b, b
+    else:
+        assert b.startswith("CancelledError"), b
+    assert "barrier on group 'default' " in after and "before it began" in after, after
+    assert "rank 0 aborted the group" in told and "before it began" in told, told
+
+
+def cancelled_as_handed_the_turn(g):
+    """Rank 0 cancels B, queued behind A, as A returns (handing B the turn); rank 1 makes A
+    only. B raises CancelledError at once (before: asyncio.wait_for, on Python 3.10 and
+    3.11, returned as the cancellation came, CPython gh-86296: B ran, and waited out its
+    timeout for rank 1)."""
+    import asyncio
+
+    if g.rank == 1:
+        time.sleep(0.3)
+        return g.all_reduce(1), None
+
+    async def main():
+        ta = asyncio.ensure_future(g.aio.all_reduce(1))
+        await asyncio.sleep(0.05)
+        tb = asyncio.ensure_future(g.aio.all_reduce(10, timeout=20))
+        await asyncio.sleep(0.05)
+        a = await ta
+        tb.cancel()
+        try:
+            await tb
+            return a, "B made"
+        except BaseException as e:  # noqa: BLE001  (what it is, said)
+            return a, type(e).__name__
+
+    return asyncio.run(main())
+
+
+def test_a_queued_awaited_collective_cancelled_as_it_is_handed_the_turn_raises_at_once():
+    assert run_group(cancelled_as_handed_the_turn, 2, timeout=60)[0] == (2, "CancelledError")
+
+
+def turn_left_by_a_closed_loop(g):
+    """A loop driven by hand is closed with an awaited collective queued (handed the turn,
+    never resumed: the group free, the ranks in step); gathered collectives of a later
+    loop on the same thread then take turns as usual (before: the stale turn, never
+    passed, made them refuse one another, ConcurrentUseError)."""
+    import asyncio
+
+    g.all_reduce(0)
+    g._core.ep.yielding += 1  # (as after a call: A's first step yields, B queues behind it)
+    loop = asyncio.new_event_loop()
+    ta = loop.create_task(g.aio.all_reduce(1))
+    tb = loop.create_task(g.aio.all_reduce(10))
+    loop.run_until_complete(ta)
+    loop.close()
+    g._core.ep.yielding -= 1
+    stale = g._core._turn.get(0)
+
+    async def main():
+        out = []
+        for i in range(6):
+            if (g.rank + i) % 2 == 0:
+                await asyncio.sleep(0.05)
+            out.append(await asyncio.gather(g.aio.all_reduce(i), g.aio.all_reduce(100 * i)))
+        return out
+
+    return ta.result(), stale is not None and stale[1] is loop, asyncio.run(main()), tb.done()
+
+
+def test_a_turn_left_by_a_closed_event_loop_is_taken_over():
+    for a, stale, got, _ in run_group(turn_left_by_a_closed_loop, 2, timeout=60):
+        assert a == 2 and stale, (a, stale)
+        assert got == [[2 * i, 200 * i] for i in range(6)], got
 
 
 FLOOD = 100_000
