@@ -81,6 +81,10 @@ SUSPECT_GRACE = 1.0
 # whether a destination is lost: a peer's goodbye, abort or end of stream, which a wait would
 # have read, and a peer silent past liveness_timeout (ZeroMQ's sends never fail)
 LOOK_S = 0.1
+# Before a wait raises that a peer it waits for is lost, it reads what has come in to the end
+# (Core.settle), again while a read takes anything, for this long at most (what a lost peer
+# sent is finite; a live one flooding meanwhile would go on: the loss is raised then)
+SETTLE_S = 2.0
 # How long an abort() waits for the sockets of an awaited call it finds suspended in another
 # thread's loop (Core._abort_suspended: the call's thread holds them while it runs a step)
 ABORT_TAKE_S = 0.1
@@ -295,6 +299,7 @@ class Core:
         self._looked = False  # whether it read its sockets once more at the deadline
         self._settled = False  # whether it read them to their end before raising a loss
         self._settle_more = False  # ... and whether that read took anything (look again)
+        self._settle_until = 0.0  # (and until when it looks again: SETTLE_S)
         # messages without a MAC go to a stream endpoint framed in one piece (Core._post)
         self._stream = endpoint.STREAM and not key
         # ... and, pickled, the usual small object is framed in line (Core._post)
@@ -1156,15 +1161,18 @@ class Core:
         else:
             lost, suspect_at = self._check_lost(missing, now)
         if lost:
-            if not self._settled or self._settle_more and now < deadline:
+            if not self._settled or self._settle_more and now < min(deadline,
+                                                                    self._settle_until):
                 # first, what the sockets hold read to its end, and looked at by the caller:
                 # a peer that sent what is waited for and then left (exited, closed: its
                 # heartbeats stopped long ago) had it taken, not lost (a connection it made
                 # while this rank was away is accepted in one drain, read in the next). A
                 # settle's reads are bounded (a flood: FAIR_S a drain, SETTLE_ROUNDS drains):
-                # while one takes anything, another follows (what a lost peer sent is finite;
-                # the deadline bounds the rest)
-                self._settled = True
+                # while one takes anything, another follows, for SETTLE_S at most (what a
+                # lost peer sent is finite; a live one may flood on)
+                if not self._settled:
+                    self._settled = True
+                    self._settle_until = now + SETTLE_S
                 n = self.received
                 self.settle()
                 self._settle_more = self.received != n
@@ -1668,15 +1676,23 @@ def _pass_turn(core: Core, turn: tuple[int, asyncio.AbstractEventLoop]) -> None:
     box = core._turn
     if box.get(0) != turn:
         return
+    q = core._turns
+    while q and q[0].done():
+        # a call queued next that gave up (its timer, or a cancellation, settled its future
+        # before its task could run _queue_turn's handling: this may run first, in the
+        # same pass of the loop): not made here, though the others make it
+        f = q.popleft()
+        if not f.cancelled():
+            f.exception()  # (retrieved: _TurnTimeout)
+        core._owed = core._owed or (
+            f"a collective on group {core.name!r} queued on rank {core.rank} behind another "
+            "of its event loop was cancelled or timed out before it began")
     if core._owed:  # (a collective queued behind this one was not made: see there)
         why, core._owed = core._owed, ""
         core.abort(why)
-    q = core._turns
-    while q:
-        f = q.popleft()
-        if not f.done():
-            f.set_result(None)
-            return
+    if q:
+        q.popleft().set_result(None)  # (not done: those were taken above)
+        return
     del box[0]  # (ours: another thread only ever adds it where absent)
 
 
@@ -1765,7 +1781,11 @@ async def run_async(core: Core, gen: Wait, collective: str = "",
         turn = (_get_ident(), asyncio.get_running_loop())
         held = core._turn.setdefault(0, turn)
         if held is not turn and held[1].is_closed():
-            # (left by a call of a loop closed before it could end: nothing can pass it)
+            # (left by a call of a loop closed before it could end: nothing can pass it;
+            # where a call queued there gave up, the group breaks, as _pass_turn would)
+            if core._owed or any(f.done() for f in core._turns):
+                core.abort(core._owed or f"a collective on group {core.name!r} queued on "
+                           f"rank {core.rank} gave up before it began (its loop closed)")
             core._turns.clear()
             core._owed = ""
             core._turn[0] = held = turn

@@ -7,6 +7,7 @@ the sequential reference. World sizes 1, 2, 3, 4, 5 and 8, and both transports.
 import asyncio
 import contextlib
 import operator
+import sys
 import time
 
 import pytest
@@ -322,6 +323,56 @@ def test_a_queued_awaited_collective_given_up_breaks_the_group_once_the_one_befo
         assert b.startswith("CancelledError"), b
     assert "barrier on group 'default' " in after and "before it began" in after, after
     assert "rank 0 aborted the group" in told and "before it began" in told, told
+
+
+def gave_up_as_the_one_before_ended(g, how):
+    """Rank 0 queues B (which gives up after 1 s: its timeout, or asyncio.timeout) and C
+    behind A, then keeps its loop busy for 2 s: A's part from rank 1 and B's deadline both
+    come meanwhile, so A ends and B gives up in one pass of the loop. Rank 1 makes A, B and
+    C. Before, A passed the turn on before B's giving up was seen: C ran, paired with rank
+    1's B (both got ['C', 'B']), and the group broke only after."""
+    import asyncio
+
+    async def main():
+        if g.rank == 1:
+            await asyncio.sleep(0.5)
+            out = []
+            for x in ("A", "B", "C"):
+                try:
+                    out.append(await g.aio.all_gather(x, timeout=10))
+                except ctrlcomm.CtrlcommError as e:
+                    out.append(type(e).__name__)
+            return out
+
+        async def b():
+            if how == "timeout":
+                return await g.aio.all_gather("B", timeout=1.0)
+            async with asyncio.timeout(1.0):
+                return await g.aio.all_gather("B")
+
+        tasks = []
+        for make in (lambda: g.aio.all_gather("A"), b, lambda: g.aio.all_gather("C")):
+            tasks.append(asyncio.ensure_future(make()))
+            await asyncio.sleep(0.05)
+        time.sleep(2.0)  # noqa: ASYNC251  (the loop busy, as with CPU work: on purpose)
+        out = []
+        for t in tasks:
+            try:
+                out.append(await t)
+            except (ctrlcomm.CtrlcommError, TimeoutError) as e:
+                out.append(type(e).__name__)
+        return out
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["timeout", pytest.param("asyncio.timeout", marks=pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="asyncio.timeout is new in 3.11"))])
+def test_a_queued_collective_giving_up_as_the_one_before_ends_pairs_nothing_wrongly(how):
+    r0, r1 = run_group(gave_up_as_the_one_before_ended, 2, how, timeout=60)
+    assert r0[0] == r1[0] == ["A", "A"], (r0, r1)
+    assert r0[1] in ("CollectiveTimeoutError", "TimeoutError") and r0[2] == "GroupBrokenError", r0
+    assert r1[1:] == ["PeerLostError", "PeerLostError"], r1
 
 
 def cancelled_as_handed_the_turn(g):
