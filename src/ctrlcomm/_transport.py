@@ -68,6 +68,7 @@ COPY_THRESHOLD = 65536
 # object may change). Small frames, copied by ZeroMQ, are bounded by HWM.
 ZMQ_ALLOWANCE = 256 * 1024 * 1024
 TRACK_POLL_S = 0.005  # how often a wait over the allowance looks whether ZeroMQ sent more
+HELD_BACKLOG = 1 << 62  # a peer's backlog while messages are held for it (ZmqEndpoint)
 # While a socket's last message (the goodbye) has not left ZeroMQ's queue at close, the peer's
 # address is tried (a plain TCP connection, given at most FAREWELL_PROBE_S): refused, the peer
 # has closed (see _farewell). At once, then after FAREWELL_FIRST_GAP_S, the gap doubling up to
@@ -439,6 +440,10 @@ class ZmqEndpoint:
         self._queued: dict[int, deque[tuple[zmq.MessageTracker, int]]] = {}
         self._queued_bytes: dict[int, int] = {}
         self._over = False
+        # messages ZeroMQ refused for a peer, its queue full (HWM messages: a peer that takes
+        # nothing), in order; sent before any later one, as its queue has room (backlog,
+        # which the core asks while it waits for room, within the call's deadline)
+        self._held: dict[int, deque[tuple[Sequence[Any], list[bool] | None]]] = {}
         # per peer told goodbye: the goodbye's tracker (see send_last, _farewell)
         self._last: dict[int, zmq.MessageTracker] = {}
         self._poller = zmq.Poller()
@@ -491,34 +496,65 @@ class ZmqEndpoint:
         """Queue one message for each of ``dsts``. A large frame goes zero-copy (ZeroMQ's
         I/O thread reads it after this returns): as it is where it cannot change
         (w.immutable), else copied first, once for all the destinations."""
+        held = self._held
         if len(frames) == 2 and type(frames[0]) is bytes and type(frames[1]) is bytes \
                 and len(frames[1]) < COPY_THRESHOLD:  # the usual: header and small payload
             head, payload = frames
             for dst in dsts:
+                if held and dst in held:
+                    held[dst].append((frames, None))
+                    continue
                 s = self._sock(dst)
-                s.send(head, zmq.SNDMORE | zmq.DONTWAIT)
+                try:
+                    s.send(head, zmq.SNDMORE | zmq.DONTWAIT)
+                except zmq.Again:  # (its queue full: ZeroMQ takes a message whole or not)
+                    held[dst] = deque([(frames, None)])
+                    continue
                 s.send(payload, zmq.DONTWAIT)
             return
-        sizes = [memoryview(f).nbytes for f in frames]
-        big = [n >= COPY_THRESHOLD for n in sizes]
+        big = [memoryview(f).nbytes >= COPY_THRESHOLD for f in frames]
         if any(big):
             frames = [memoryview(bytes(f)) if b and not w.immutable(f) else f
                       for f, b in zip(frames, big, strict=True)]
-        last = len(frames) - 1
         for dst in dsts:
-            s = self._sock(dst)
-            for i, f in enumerate(frames):
-                flags = (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT
-                if big[i]:
-                    tracker = s.send(f, flags, copy=False, track=True)
-                    q = self._queued.get(dst)
-                    if q is None:
-                        q = self._queued[dst] = deque()
-                        self._queued_bytes[dst] = 0
-                    q.append((tracker, sizes[i]))
-                    self._queued_bytes[dst] += sizes[i]
-                else:
-                    s.send(f, flags)
+            if held and dst in held:
+                held[dst].append((frames, big))
+                continue
+            try:
+                self._send_one(dst, frames, big)
+            except zmq.Again:
+                held[dst] = deque([(frames, big)])
+
+    def _send_one(self, dst: int, frames: Sequence[Any], big: list[bool] | None) -> None:
+        """Send one message to ``dst`` (``big``: which frames go zero-copy, tracked; None:
+        none). zmq.Again where ZeroMQ's queue for it is full, before any frame went."""
+        s = self._sock(dst)
+        last = len(frames) - 1
+        for i, f in enumerate(frames):
+            flags = (zmq.SNDMORE if i < last else 0) | zmq.DONTWAIT
+            if big is not None and big[i]:
+                tracker = s.send(f, flags, copy=False, track=True)
+                size = memoryview(f).nbytes
+                q = self._queued.get(dst)
+                if q is None:
+                    q = self._queued[dst] = deque()
+                    self._queued_bytes[dst] = 0
+                q.append((tracker, size))
+                self._queued_bytes[dst] += size
+            else:
+                s.send(f, flags)
+
+    def _push(self, dst: int) -> None:
+        """Send what is held for ``dst`` while ZeroMQ's queue for it has room."""
+        q = self._held.get(dst)
+        while q:
+            frames, big = q[0]
+            try:
+                self._send_one(dst, frames, big)
+            except zmq.Again:
+                return
+            q.popleft()
+        self._held.pop(dst, None)
 
     def send_last(self, dst: int, frames: Sequence[Any]) -> None:
         """Queue the last message for ``dst`` before close() (a goodbye), tracked, so that
@@ -526,8 +562,10 @@ class ZmqEndpoint:
         _farewell). (On a context of the caller's, which the caller may terminate as soon as
         close() returns, it goes as any message: close() leaves that context's sockets to
         ZeroMQ's linger, as before.)"""
-        if not self._own_ctx or dst in self._last:
-            self.send(dst, frames)
+        if dst in self._held:
+            self._push(dst)
+        if not self._own_ctx or dst in self._last or dst in self._held:
+            self.send(dst, frames)  # (held behind the rest: it goes as they do, untracked)
             return
         s = self._sock(dst)
         s.copy_threshold = 0  # (pyzmq copies a small frame, and tracks nothing, otherwise)
@@ -537,9 +575,12 @@ class ZmqEndpoint:
 
     @property
     def unflushed(self) -> Collection[int]:
-        """The peers with large frames still queued in ZeroMQ (``backlog`` tells how much)."""
+        """The peers with large frames still queued in ZeroMQ, or messages held for them
+        (``backlog`` tells how much)."""
         for dst in list(self._queued):
             self._queued_for(dst)
+        if self._held:
+            return set(self._queued).union(self._held)
         return self._queued
 
     def _queued_for(self, dst: int) -> int:
@@ -558,7 +599,14 @@ class ZmqEndpoint:
 
     def backlog(self, dst: int) -> int:
         """The bytes of large frames queued for ``dst`` beyond ZMQ_ALLOWANCE: what the
-        core's limit counts (ZeroMQ's I/O thread sends the rest on its own)."""
+        core's limit counts (ZeroMQ's I/O thread sends the rest on its own); where messages
+        are held for ``dst`` (its queue was full), those that now fit are sent, and while
+        any is left, more than any limit (HELD_BACKLOG)."""
+        if dst in self._held:
+            self._push(dst)
+            if dst in self._held:
+                self._over = True
+                return HELD_BACKLOG
         over = self._queued_for(dst) - ZMQ_ALLOWANCE
         if over > 0:
             self._over = True
@@ -710,6 +758,8 @@ class ZmqEndpoint:
         except zmq.ZMQError:  # (Again: all read)
             pass
         self.rx.close(0)
+        for dst in list(self._held):  # (what still fits; the rest, for a peer that takes
+            self._push(dst)           # nothing, is dropped)
         farewells = []
         for dst, s in self.tx.items():
             tracker = self._last.pop(dst, None)

@@ -1274,6 +1274,56 @@ def test_zeromq_queues_a_bounded_amount_for_a_receiver_that_takes_nothing():
     assert grown < 16, grown  # (24 copies queued before; bounded: 256 MiB = 8, and slack)
 
 
+def small_sends_past_zeromqs_queue(g, n, receiver, aio):
+    """Rank 1 sends n small messages to rank 0 (blocking, or awaited in one event loop),
+    which reads them late ("late": after 3 s) or not in the sender's time ("away"), the
+    sender's timeout 2 s."""
+    import asyncio
+
+    if g.rank == 1:
+        t = 2 if receiver == "away" else 30
+
+        async def sends():
+            for i in range(n):
+                await g.aio.send(i, 0, timeout=t)
+                done[0] = i + 1
+
+        done = [0]
+        try:
+            if aio:
+                asyncio.run(sends())
+            else:
+                for i in range(n):
+                    g.send(i, 0, timeout=t)
+                    done[0] = i + 1
+            return "sent", done[0]
+        except ctrlcomm.CollectiveTimeoutError as e:
+            return str(e), done[0]
+    time.sleep(3 if receiver == "late" else 5)
+    if receiver == "away":
+        return None
+    return [g.recv(1) for _ in range(n)] == list(range(n))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("receiver", "aio"), [("late", False), ("away", False),
+                                               ("late", True)])
+def test_small_sends_past_zeromqs_queue_wait_for_room_within_their_deadline(receiver, aio):
+    # ZeroMQ takes HWM (100,000) small messages a side for a peer that reads nothing, then
+    # refuses more: a send raised zmq.error.Again (about the 250,000th). It now waits for
+    # room, as over TCP: the messages arrive, in order, once the peer reads; or the send
+    # says it timed out sending, naming the peer
+    n = 300_000
+    got, sent = run_group(small_sends_past_zeromqs_queue, 2, n, receiver, aio, timeout=120,
+                          group_kwargs={"transport": "zmq"})
+    if receiver == "late":
+        assert got is True and sent == ("sent", n), (got, sent)
+    else:
+        text, i = sent
+        assert "send(dst=0, tag=0) (sending)" in text and "timed out after 2 s" in text \
+            and 100_000 < i < n, sent
+
+
 def send_then_exit(rank, size, port, transport):
     """Rank 0 sends its last messages (large: ZeroMQ's I/O thread, or the TCP endpoint's
     queue, still holds most of them when close() returns) and its process exits at once;
