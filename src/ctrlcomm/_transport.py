@@ -69,6 +69,7 @@ COPY_THRESHOLD = 65536
 ZMQ_ALLOWANCE = 256 * 1024 * 1024
 TRACK_POLL_S = 0.005  # how often a wait over the allowance looks whether ZeroMQ sent more
 HELD_BACKLOG = 1 << 62  # a peer's backlog while messages are held for it (ZmqEndpoint)
+HELD_POLL_S = 0.05  # how often any wait looks whether a held message fits now (ZmqEndpoint)
 # While a socket's last message (the goodbye) has not left ZeroMQ's queue at close, the peer's
 # address is tried (a plain TCP connection, given at most FAREWELL_PROBE_S): refused, the peer
 # has closed (see _farewell). At once, then after FAREWELL_FIRST_GAP_S, the gap doubling up to
@@ -569,9 +570,12 @@ class ZmqEndpoint:
             return
         s = self._sock(dst)
         s.copy_threshold = 0  # (pyzmq copies a small frame, and tracks nothing, otherwise)
-        for f in frames[:-1]:
-            s.send(f, zmq.SNDMORE | zmq.DONTWAIT)
-        self._last[dst] = s.send(frames[-1], zmq.DONTWAIT, copy=False, track=True)
+        try:
+            for f in frames[:-1]:
+                s.send(f, zmq.SNDMORE | zmq.DONTWAIT)
+            self._last[dst] = s.send(frames[-1], zmq.DONTWAIT, copy=False, track=True)
+        except zmq.Again:  # (its queue full, before any frame went: held, untracked)
+            self._held[dst] = deque([(frames, None)])
 
     @property
     def unflushed(self) -> Collection[int]:
@@ -623,7 +627,12 @@ class ZmqEndpoint:
               ) -> int:
         """Receive every message waiting now and hand each to ``sink``, decoded (``None``
         for a malformed or unauthenticated one). Returns the count. A flood is taken for
-        FAIR_S at most, the rest at the next drain (as TcpEndpoint.drain)."""
+        FAIR_S at most, the rest at the next drain (as TcpEndpoint.drain). What is held for
+        peers whose queues were full goes out first, as far as it fits (as the TCP
+        endpoint's drain sends what is pending as its sockets take more)."""
+        if self._held:
+            for dst in list(self._held):
+                self._push(dst)
         n = 0
         rx = self.rx
         clock = time.monotonic
@@ -656,6 +665,8 @@ class ZmqEndpoint:
         if self._over:
             self._over = False
             return min(timeout, TRACK_POLL_S)
+        if self._held:  # (nothing wakes a wait as a full queue gets room: drain pushes)
+            return min(timeout, HELD_POLL_S)
         return timeout
 
     def wait(self, timeout: float) -> None:

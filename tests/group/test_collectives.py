@@ -1324,6 +1324,38 @@ def test_small_sends_past_zeromqs_queue_wait_for_room_within_their_deadline(rece
             and 100_000 < i < n, sent
 
 
+def timed_out_send_then_wait_for_the_peer(g):
+    """Rank 1's sends to rank 0, away for 4 s, time out (2 s) past ZeroMQ's full queue; rank
+    1 then waits for rank 0's count of what it got. The message whose send timed out was
+    queued by then ("sending": as over TCP, it still goes): it must go while rank 1 waits,
+    not only at its next send to rank 0 (before: held until then; and rank 1's questions to
+    rank 0 queued behind it)."""
+    if g.rank == 1:
+        k = 0
+        try:
+            for i in range(400_000):
+                g.send(i, 0, timeout=2)
+                k = i + 1
+        except ctrlcomm.CollectiveTimeoutError:
+            pass
+        return k, g.recv(0, timeout=40)
+    time.sleep(4)
+    got = []
+    with contextlib.suppress(ctrlcomm.CollectiveTimeoutError):
+        while True:
+            got.append(g.recv(1, timeout=3))
+    g.send(len(got), 1)
+    return got == list(range(len(got)))
+
+
+@pytest.mark.slow
+def test_a_send_timed_out_past_zeromqs_queue_still_goes_while_the_sender_waits_elsewhere():
+    in_order, (completed, counted) = run_group(timed_out_send_then_wait_for_the_peer, 2,
+                                               timeout=120, group_kwargs={"transport": "zmq"})
+    assert in_order and 100_000 < completed < 400_000 and counted == completed + 1, \
+        (in_order, completed, counted)
+
+
 def send_then_exit(rank, size, port, transport):
     """Rank 0 sends its last messages (large: ZeroMQ's I/O thread, or the TCP endpoint's
     queue, still holds most of them when close() returns) and its process exits at once;
