@@ -297,9 +297,10 @@ class Core:
         self._last_probe = -math.inf  # when a collective last asked them early (FIRST_PROBE)
         self._probe_error: MismatchError | None = None  # the last raised from an answer
         self._looked = False  # whether it read its sockets once more at the deadline
-        self._settled = False  # whether it read them to their end before raising a loss
-        self._settle_more = False  # ... and whether that read took anything (look again)
-        self._settle_until = 0.0  # (and until when it looks again: SETTLE_S)
+        # before a wait raises a loss, the sockets are read to their end (see _wait): 0.0,
+        # not yet in this step; else until when it reads again while a read takes anything
+        # (SETTLE_S; -inf once one took nothing)
+        self._settle_until = 0.0
         # messages without a MAC go to a stream endpoint framed in one piece (Core._post)
         self._stream = endpoint.STREAM and not key
         # ... and, pickled, the usual small object is framed in line (Core._post)
@@ -735,7 +736,8 @@ class Core:
                 if not recvs:
                     continue
                 # per step: its missing ranks are asked, its sockets read to the end at a loss
-                self._probed = self._looked = self._settled = self._settle_more = False
+                self._probed = self._looked = False
+                self._settle_until = 0.0
                 if self._xp and not box.get(seq) and not self.paused:
                     # the usual step: each message read straight from its sender's socket
                     # (what is left, or anything unusual, the general way below)
@@ -1161,8 +1163,8 @@ class Core:
         else:
             lost, suspect_at = self._check_lost(missing, now)
         if lost:
-            if not self._settled or self._settle_more and now < min(deadline,
-                                                                    self._settle_until):
+            until = self._settle_until
+            if until == 0.0 or now < min(deadline, until):
                 # first, what the sockets hold read to its end, and looked at by the caller:
                 # a peer that sent what is waited for and then left (exited, closed: its
                 # heartbeats stopped long ago) had it taken, not lost (a connection it made
@@ -1170,12 +1172,10 @@ class Core:
                 # settle's reads are bounded (a flood: FAIR_S a drain, SETTLE_ROUNDS drains):
                 # while one takes anything, another follows, for SETTLE_S at most (what a
                 # lost peer sent is finite; a live one may flood on)
-                if not self._settled:
-                    self._settled = True
-                    self._settle_until = now + SETTLE_S
                 n = self.received
                 self.settle()
-                self._settle_more = self.received != n
+                self._settle_until = (until or now + SETTLE_S) if self.received != n \
+                    else -math.inf
                 return 0.0
             what = f"{name} #{seq}" if seq is not None else name
             raise PeerLostError(
@@ -1387,7 +1387,8 @@ class Core:
         name = what or f"recv(src={src}, tag={tag})"
         start = _monotonic()
         deadline = start + t
-        self._probed = self._looked = self._settled = self._settle_more = False
+        self._probed = self._looked = False
+        self._settle_until = 0.0
         self.active = (name, -1, 0, w.NO_ROOT)
         try:
             if self._xp and not self.p2p.get((src, tag)) and not self.paused:

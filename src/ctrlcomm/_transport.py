@@ -651,8 +651,9 @@ class ZmqEndpoint:
         return n
 
     def settle(self, sink: Callable[[w.Message | None], int | None]) -> None:
-        """Receive what has come in, to its end (a flood: SETTLE_ROUNDS drains at most):
-        before a peer is declared lost, what it sent first is taken (Core.settle)."""
+        """After a drain, receive what has come in, to its end (a flood: SETTLE_ROUNDS
+        drains at most): before a peer is declared lost, what it sent first is taken
+        (Core.settle, which drains first)."""
         for _ in range(SETTLE_ROUNDS):
             if not self.drain(sink):
                 return
@@ -1789,10 +1790,10 @@ class TcpEndpoint:
                 self._register(c, 0)
 
     def settle(self, sink: Callable[[w.Message | None], int | None]) -> None:
-        """Read what the sockets hold now, to its end (a flood: SETTLE_ROUNDS drains at
-        most): a connection accepted in one drain is read in the next, so before a peer is
-        declared lost, what it sent before it went is taken (Core.settle)."""
-        self.drain(sink)
+        """After a drain, read what the sockets hold now, to its end (a flood:
+        SETTLE_ROUNDS drains at most): a connection accepted in one drain is read in the
+        next, so before a peer is declared lost, what it sent before it went is taken
+        (Core.settle, which drains first)."""
         for _ in range(SETTLE_ROUNDS):
             ready = self.ep.poll(0)
             if not ready or self.closed:
