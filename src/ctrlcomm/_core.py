@@ -326,13 +326,18 @@ class Core:
         text = f"is gone ({why}; its process died or exited without close())"
         if certain:
             # a goodbye that arrived before the connection closed is the better explanation
-            if rank in self._guessed:
-                self._guessed.discard(rank)
-                self.gone[rank] = text
-            else:
-                self.gone.setdefault(rank, text)
+            self._known_gone(rank, text)
         else:
             self.suspects.setdefault(rank, (time.monotonic() + SUSPECT_GRACE, text))
+
+    def _known_gone(self, rank: int, text: str) -> None:
+        """``rank`` is gone, as ``text`` says: kept where an earlier word said why, but over a
+        guess from its silence (``_guessed``)."""
+        if rank in self._guessed:
+            self._guessed.discard(rank)
+            self.gone[rank] = text
+        else:
+            self.gone.setdefault(rank, text)
 
     def _check_lost(self, missing: list[int], now: float) -> tuple[list[int], float]:
         """Ranks among ``missing`` known gone, and when this should be asked again (a
@@ -451,12 +456,8 @@ class Core:
                     self.mismatch = self._probe_error = self._probed_mismatch(a)
         elif k == w.BYE:
             why = bytes(m.payload).decode(errors="replace")  # (why it was broken, if it was)
-            text = f"closed the group (broken there: {why})" if why else "closed the group"
-            if m.src in self._guessed:  # (declared gone on silence before this was read)
-                self._guessed.discard(m.src)
-                self.gone[m.src] = text
-            else:
-                self.gone.setdefault(m.src, text)
+            self._known_gone(m.src, f"closed the group (broken there: {why})" if why
+                             else "closed the group")
             self.aborters.discard(m.src)
         elif k == w.ABORT:
             reason = bytes(m.payload).decode(errors="replace")

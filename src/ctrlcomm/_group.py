@@ -643,7 +643,7 @@ class Group:
     and awaited calls may be mixed. A group is used by one thread (or coroutine) at a time: a
     second caller while one is inside gets :class:`ConcurrentUseError`; but awaited
     collectives of one event loop take turns, first come first (``asyncio.gather`` of
-    several runs them in the order their tasks started, on every rank).
+    several, one per task, runs them in the order their tasks started, on every rank).
     """
 
     _finalizer: weakref.finalize[Any, Any] | None = None
