@@ -1,3 +1,4 @@
+import inspect
 import multiprocessing
 import os
 import signal
@@ -32,3 +33,42 @@ def store():
 
     with StoreServer("127.0.0.1", 0) as srv:
         yield srv
+
+
+
+
+# The tests whose outcome depends on an optional or runtime dependency's behaviour, marked
+# with its name: scripts/test runs them a second time against the lowest versions
+# pyproject.toml admits (.ci/lowest.txt). A test depends on pyzmq (the zmq transport,
+# CurveZMQ, and the store, which runs over ZeroMQ whatever the transport) where its module
+# is one of those below or its id or code says so, as for the others; a test parametrized
+# with another transport or codec does not.
+_ZEROMQ_MODULES = {"test_store.py", "test_encryption.py", "test_security.py", "test_transport.py"}
+_WORDS = {
+    "zeromq": ("zmq", "zeromq", "curve", "encrypt"),
+    "msgpack": ("msgpack",),
+    "plot": ("matplotlib", "--plot"),
+    "mpi": ("mpi4py", '"mpi"', ",mpi", "mpi,"),
+}
+
+
+def _source(item):
+    try:
+        return inspect.getsource(item.function).lower()
+    except (AttributeError, OSError, TypeError):
+        return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        text = item.nodeid.lower() + _source(item)
+        marks = {m for m, words in _WORDS.items() if any(w in text for w in words)}
+        if params.get("transport", "zmq") != "zmq":
+            marks.discard("zeromq")
+        if params.get("codec", "msgpack") != "msgpack":
+            marks.discard("msgpack")
+        if item.path.name in _ZEROMQ_MODULES:
+            marks.add("zeromq")
+        for m in marks:
+            item.add_marker(getattr(pytest.mark, m))

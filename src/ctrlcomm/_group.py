@@ -544,7 +544,7 @@ def _release_server(host: str, port: int) -> None:
     global _reaper
     with _servers_lock:
         entry = _servers.get((host, port))
-        if entry is None:
+        if entry is None or entry[0].pid != os.getpid():  # (a forked child's: the parent's)
             return
         entry[1] -= 1
         if entry[1] > 0:

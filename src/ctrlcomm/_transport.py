@@ -935,6 +935,7 @@ class StoreConnection:
         self._poller.register(self._bell_r, zmq.POLLIN)
         self._bell_lock = threading.Lock()
         self.rung = False
+        self._pid = os.getpid()
 
     def _socket(self, watched: bool = False
                 ) -> tuple[zmq.Socket[Any], zmq.Socket[Any] | None] | None:
@@ -1071,8 +1072,12 @@ class StoreConnection:
         with self._bell_lock:
             if self._bell_w < 0:
                 return
-            _close_monitor(self.sock, self._events)
-            self.sock.close(0)
+            if os.getpid() == self._pid:
+                # (not in a forked child: the sockets are the parent's, and a monitor
+                # disabled there signals the parent's ZeroMQ threads through the
+                # descriptors they share: libzmq 4.3.4 then aborts the parent)
+                _close_monitor(self.sock, self._events)
+                self.sock.close(0)
             os.close(self._bell_r)
             os.close(self._bell_w)
             self._bell_r = self._bell_w = -1

@@ -1274,72 +1274,132 @@ def test_zeromq_queues_a_bounded_amount_for_a_receiver_that_takes_nothing():
     assert grown < 16, grown  # (24 copies queued before; bounded: 256 MiB = 8, and slack)
 
 
-def small_sends_past_zeromqs_queue(g, n, receiver, aio):
-    """Rank 1 sends n small messages to rank 0 (blocking, or awaited in one event loop),
-    which reads them late ("late": after 3 s) or not in the sender's time ("away"), the
-    sender's timeout 2 s."""
+# ZeroMQ takes at least HWM (100,000) small messages a side for a peer that reads nothing,
+# and how many more its kernel socket buffers hold varies from run to run (250,000 to
+# 750,000 were seen on one machine): these tests find the end of the queue by sending until
+# a send waits, never by guessing how long filling it takes.
+ZMQ_FILL_LIMIT = 4_000_000  # (sends at most: ZeroMQ's queue has filled long before)
+
+
+def _flag(path, name):
+    import pathlib
+
+    pathlib.Path(path, name).touch()
+
+
+def _wait_flag(path, name, timeout=90.0):
+    import pathlib
+
+    deadline = time.monotonic() + timeout
+    while not pathlib.Path(path, name).exists():
+        assert time.monotonic() < deadline, f"no {name!r} within {timeout} s"
+        time.sleep(0.01)
+
+
+def _watch_for_a_stall(path, count, quiet=1.0):
+    """Start a thread that flags "stalled" (an event it returns, and a file in ``path`` for
+    the other rank) once ``count[0]``, the sends done, has not grown for ``quiet`` seconds:
+    a send is waiting for room. It ends with the process, or once it has flagged."""
+    import threading
+
+    stalled = threading.Event()
+
+    def watch():
+        last, since = -1, time.monotonic()
+        while True:
+            if count[0] != last:
+                last, since = count[0], time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                _flag(path, "stalled")
+                stalled.set()
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return stalled
+
+
+def small_sends_past_zeromqs_queue(g, path, receiver, aio):
+    """Rank 1 sends small messages to rank 0 (blocking, or awaited in one event loop) until
+    one has waited for room: rank 0 reads nothing until then, and then reads them all
+    ("late": the sends go on, a thousand more, then None) or never ("away": the sender's
+    timeout, 2 s, ends them)."""
     import asyncio
 
     if g.rank == 1:
-        t = 2 if receiver == "away" else 30
+        t = 2 if receiver == "away" else 60
+        count, past = [0], []  # (sends done; the count when the stall was seen)
+        stalled = _watch_for_a_stall(path, count)
+
+        def more():
+            if not past and stalled.is_set():
+                past.append(count[0])
+            return count[0] < ZMQ_FILL_LIMIT and (not past or count[0] < past[0] + 1000)
 
         async def sends():
-            for i in range(n):
-                await g.aio.send(i, 0, timeout=t)
-                done[0] = i + 1
+            while more():
+                await g.aio.send(count[0], 0, timeout=t)
+                count[0] += 1
 
-        done = [0]
         try:
             if aio:
                 asyncio.run(sends())
             else:
-                for i in range(n):
-                    g.send(i, 0, timeout=t)
-                    done[0] = i + 1
-            return "sent", done[0]
+                while more():
+                    g.send(count[0], 0, timeout=t)
+                    count[0] += 1
+            g.send(None, 0, timeout=t)
+            return "sent", count[0], stalled.is_set()
         except ctrlcomm.CollectiveTimeoutError as e:
-            return str(e), done[0]
-    time.sleep(3 if receiver == "late" else 5)
+            return str(e), count[0], stalled.is_set()
+        finally:
+            _flag(path, "done")
     if receiver == "away":
+        _wait_flag(path, "done")
         return None
-    return [g.recv(1) for _ in range(n)] == list(range(n))
+    _wait_flag(path, "stalled")
+    got = []
+    while (m := g.recv(1, timeout=60)) is not None:
+        got.append(m)
+    return got == list(range(len(got))), len(got)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("receiver", "aio"), [("late", False), ("away", False),
                                                ("late", True)])
-def test_small_sends_past_zeromqs_queue_wait_for_room_within_their_deadline(receiver, aio):
-    # ZeroMQ takes HWM (100,000) small messages a side for a peer that reads nothing, then
-    # refuses more: a send raised zmq.error.Again (about the 250,000th). It now waits for
-    # room, as over TCP: the messages arrive, in order, once the peer reads; or the send
+def test_small_sends_past_zeromqs_queue_wait_for_room_within_their_deadline(receiver, aio,
+                                                                            tmp_path):
+    # a send past ZeroMQ's full queue waits for room, as over TCP (it raised
+    # zmq.error.Again): the messages arrive, in order, once the peer reads; or the send
     # says it timed out sending, naming the peer
-    n = 300_000
-    got, sent = run_group(small_sends_past_zeromqs_queue, 2, n, receiver, aio, timeout=120,
-                          group_kwargs={"transport": "zmq"})
+    got, sent = run_group(small_sends_past_zeromqs_queue, 2, str(tmp_path), receiver, aio,
+                          timeout=150, group_kwargs={"transport": "zmq"})
     if receiver == "late":
-        assert got is True and sent == ("sent", n), (got, sent)
+        status, n, stalled = sent
+        assert status == "sent" and stalled and got == (True, n) and n > 100_000, (got, sent)
     else:
-        text, i = sent
+        text, n, stalled = sent
         assert "send(dst=0, tag=0) (sending)" in text and "timed out after 2 s" in text \
-            and 100_000 < i < n, sent
+            and stalled and n > 100_000, sent
 
 
-def timed_out_send_then_wait_for_the_peer(g):
-    """Rank 1's sends to rank 0, away for 4 s, time out (2 s) past ZeroMQ's full queue; rank
-    1 then waits for rank 0's count of what it got. The message whose send timed out was
-    queued by then ("sending": as over TCP, it still goes): it must go while rank 1 waits,
-    not only at its next send to rank 0 (before: held until then; and rank 1's questions to
-    rank 0 queued behind it)."""
+def timed_out_send_then_wait_for_the_peer(g, path):
+    """Rank 1's sends to rank 0, which reads nothing yet, go on until one times out (2 s)
+    past ZeroMQ's full queue; then rank 0 reads all that comes, and rank 1 waits for its
+    count. The message whose send timed out was queued by then ("sending": as over TCP, it
+    still goes): it must go while rank 1 waits for the count, not only at rank 1's next
+    send to rank 0 (and rank 1's questions to rank 0 must not queue behind it)."""
     if g.rank == 1:
         k = 0
         try:
-            for i in range(400_000):
+            for i in range(ZMQ_FILL_LIMIT):
                 g.send(i, 0, timeout=2)
                 k = i + 1
         except ctrlcomm.CollectiveTimeoutError:
             pass
-        return k, g.recv(0, timeout=40)
-    time.sleep(4)
+        _flag(path, "timed out")
+        return k, g.recv(0, timeout=60)
+    _wait_flag(path, "timed out")
     got = []
     with contextlib.suppress(ctrlcomm.CollectiveTimeoutError):
         while True:
@@ -1349,10 +1409,12 @@ def timed_out_send_then_wait_for_the_peer(g):
 
 
 @pytest.mark.slow
-def test_a_send_timed_out_past_zeromqs_queue_still_goes_while_the_sender_waits_elsewhere():
+def test_a_send_timed_out_past_zeromqs_queue_still_goes_while_the_sender_waits_elsewhere(
+        tmp_path):
     in_order, (completed, counted) = run_group(timed_out_send_then_wait_for_the_peer, 2,
-                                               timeout=120, group_kwargs={"transport": "zmq"})
-    assert in_order and 100_000 < completed < 400_000 and counted == completed + 1, \
+                                               str(tmp_path), timeout=150,
+                                               group_kwargs={"transport": "zmq"})
+    assert in_order and 100_000 < completed < ZMQ_FILL_LIMIT and counted == completed + 1, \
         (in_order, completed, counted)
 
 
