@@ -1546,10 +1546,6 @@ class Core:
             if what == "abort":
                 self._send_abort(reason)
             else:
-                if not getattr(self.ep, "sees_peers_gone", True):
-                    # (an aborted peer, told goodbye, would be lingered for LINGER_MS where it
-                    # has gone since: ZmqEndpoint on a context of the caller's)
-                    self.aborters.clear()
                 # a group closed broken says why: a peer that waited for this rank learns
                 # the first cause (a third rank's abort, say, whose own word may come later)
                 cause = self.cause

@@ -12,6 +12,7 @@ instead of mixing values. ``all_reduce_min``, ``all_reduce_sum``, ``broadcast`` 
 
 from __future__ import annotations
 
+import asyncio
 import operator
 from collections.abc import Coroutine
 from typing import Any
@@ -75,8 +76,12 @@ class AsyncZMQCommunicator:
         v = _values(name, self.rank, vals)
         if self.world_size == 1:
             return _shape(v)
-        if not async_op:  # as in Megatron: block this rank (and its loop) until done
-            return _shape(self.group.all_reduce(v, op=op, timeout=timeout))
+        if not async_op:
+            # as Megatron's: block this rank (and its loop) until done, then let the loop
+            # run once (its engine loop relies on that turn: "the consensus path yields")
+            out = self.group.all_reduce(v, op=op, timeout=timeout)
+            await asyncio.sleep(0)
+            return _shape(out)
         return _shape(await self.group.aio.all_reduce(v, op=op, timeout=timeout))
 
     def _reduce(self, name: str, op: str, vals: tuple[Any, ...],

@@ -458,10 +458,6 @@ class ZmqEndpoint:
         self.ended = 0.0  # when the last awaited call on this endpoint ended (run_async)
         self.yielding = 0  # awaited calls giving the loop a turn before they start (run_async)
         self.closed = False
-        # whether close() finds out by itself that a peer has closed, and lingers for it no
-        # longer (see _farewell): not on a context of the caller's (the core then counts an
-        # aborted peer gone, as one it cannot tell)
-        self.sees_peers_gone = self._own_ctx
         self.key: bytes | None = None  # the group's MAC key, to authenticate what arrives
         self.me = -1  # this rank, for which what arrives must be MACed (set by the core)
         self.sink: Callable[[w.Message | None], int | None] | None = None  # unused here
@@ -560,12 +556,10 @@ class ZmqEndpoint:
     def send_last(self, dst: int, frames: Sequence[Any]) -> None:
         """Queue the last message for ``dst`` before close() (a goodbye), tracked, so that
         close() knows when all that was queued for ``dst`` has left ZeroMQ's queue (see
-        _farewell). (On a context of the caller's, which the caller may terminate as soon as
-        close() returns, it goes as any message: close() leaves that context's sockets to
-        ZeroMQ's linger, as before.)"""
+        _farewell)."""
         if dst in self._held:
             self._push(dst)
-        if not self._own_ctx or dst in self._last or dst in self._held:
+        if dst in self._last or dst in self._held:
             self.send(dst, frames)  # (held behind the rest: it goes as they do, untracked)
             return
         s = self._sock(dst)
@@ -782,21 +776,25 @@ class ZmqEndpoint:
                 s.close(0 if dst in gone else None)
         self.tx.clear()
         self.bell.close()
-        if self._own_ctx:
-            # (not a daemon: a process that exits right after close() still delivers its
-            # last messages, for at most LINGER_MS, as the TCP transport's linger does)
-            threading.Thread(target=_farewell, args=(farewells, self._ctx), daemon=False,
-                             name="ctrlcomm-zmq-linger").start()
+        # (not a daemon: a process that exits right after close() still delivers its last
+        # messages, for at most LINGER_MS, as the TCP transport's linger does. A caller who
+        # terminates a context of theirs right after close(), as Megatron's shutdown does,
+        # waits in term() until this thread has closed the sockets: not ZeroMQ's linger,
+        # LINGER_MS, for a peer that has closed)
+        threading.Thread(target=_farewell,
+                         args=(farewells, self._ctx if self._own_ctx else None),
+                         daemon=False, name="ctrlcomm-zmq-linger").start()
 
 
 def _farewell(socks: list[tuple[zmq.Socket[Any], zmq.MessageTracker, str]],
-              ctx: zmq.Context[Any]) -> None:
-    """(A thread of ZmqEndpoint.close, for its own context.) Close each socket told goodbye
+              ctx: zmq.Context[Any] | None) -> None:
+    """(A thread of ZmqEndpoint.close.) Close each socket told goodbye
     (with the goodbye's tracker and the peer's address) once the goodbye, its last message,
     has left ZeroMQ's queue (lingering, as the other sockets, for what the I/O thread may
     still hold: nothing is queued to wait for); or at once where the peer's address refuses
     a connection: it has closed, and nothing queued will reach it (ZeroMQ would try again
-    and again); else at LINGER_MS, as the other sockets. Then terminate ``ctx``.
+    and again); else at LINGER_MS, as the other sockets. Then terminate ``ctx``, the
+    endpoint's own context (None: the caller's, which the caller terminates).
 
     (Before, every socket lingered LINGER_MS: a process whose peers had closed first waited
     5 s to exit, the usual end of a group closed on every rank at once, where goodbyes take
@@ -829,7 +827,8 @@ def _farewell(socks: list[tuple[zmq.Socket[Any], zmq.MessageTracker, str]],
         for _, (s, _, _) in left:
             with contextlib.suppress(Exception):
                 s.close(0)
-        ctx.term()
+        if ctx is not None:
+            ctx.term()
 
 
 def _refused(address: str, timeout: float) -> bool:

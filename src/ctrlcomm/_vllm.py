@@ -22,7 +22,7 @@ from . import _plans
 from ._core import run_sync
 from ._errors import ConcurrentUseError, InvalidArgumentError, show
 from ._group import Group, _rank_arg, close_when_dropped
-from ._store import _secs
+from ._store import StoreClient, _secs
 from ._transport import StoreServer, auth_key_or_env
 
 _TENSOR_TAG = 1 << 40  # point-to-point tensors travel apart from send_obj/recv_obj objects
@@ -111,6 +111,19 @@ def _one_at_a_time(method: _F) -> _F:
     return call  # type: ignore[return-value]
 
 
+# the class ctrlcomm.vllm.install() derived from this one and vLLM's (None before): what
+# this class's constructor makes, so that a group made by either name passes vLLM's checks
+_installed: list[type] = []
+
+
+def install_class(cls: type) -> None:
+    _installed[:] = [cls]
+
+
+def installed_class() -> type | None:
+    return _installed[0] if _installed else None
+
+
 class StatelessProcessGroup:
     """A group made without torch.distributed's global state (vLLM's API).
 
@@ -120,6 +133,11 @@ class StatelessProcessGroup:
         store: the rendezvous store client (``set``, ``get``, ``add``, ``delete_key``...).
         data_expiration_seconds: kept for compatibility; no data is kept to expire.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> StatelessProcessGroup:
+        if cls is StatelessProcessGroup and _installed:
+            cls = _installed[0]
+        return object.__new__(cls)
 
     def __init__(self, group: Group | int | None = None, world_size: int | None = None,
                  store: Any = None,
@@ -154,13 +172,32 @@ class StatelessProcessGroup:
         self.rank = formed.rank
         self.world_size = formed.world_size
         # (made through a store of the caller's: that store, as on vLLM's dataclass)
-        self.store: Any = formed.store if store is None else store
+        self._store: Any = formed.store if store is None else store
         self.data_expiration_seconds = data_expiration_seconds
         self.socket = socket
         self._server = server
         # (its group closes itself when collected unclosed; the store served from
         # listen_socket likewise, with the group: `pg.group` may outlive this wrapper)
         self._finalizer = None if server is None else close_when_dropped(formed, server.close)
+
+    @property
+    def store(self) -> Any:
+        """The rendezvous store: a ``torch.distributed.Store`` where torch is installed (a
+        :class:`ctrlcomm.torch.TorchStore` over the group's store client, for a group made
+        by :meth:`create`), else the :class:`ctrlcomm.StoreClient`; the store given, for a
+        group made through one. Assignable, as vLLM's dataclass field is."""
+        s = self._store
+        if isinstance(s, StoreClient):
+            try:
+                from .torch import TorchStore
+            except ImportError:
+                return s
+            s = self._store = TorchStore(s)
+        return s
+
+    @store.setter
+    def store(self, value: Any) -> None:
+        self._store = value
 
     @staticmethod
     def _formed(rank: Any, world_size: Any, store: Any) -> Any:

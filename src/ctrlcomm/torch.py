@@ -5,6 +5,8 @@
 - :func:`init_torch_process_group`: a real torch ProcessGroup (gloo, or NCCL on GPUs) over the
   ranks of a ctrlcomm group, made without torch.distributed's default group or global state,
   as vLLM's ``stateless_init_torch_distributed_process_group`` does.
+- :class:`TorchStore`: a ctrlcomm store client as a ``torch.distributed.Store``, for code
+  that wants one (``PrefixStore``, ``init_process_group(store=...)``, C++ consumers).
 
 Small CPU tensors sent through any ctrlcomm collective arrive as tensors (they are pickled).
 """
@@ -27,11 +29,19 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(or install the torch build for your machine first)"
     ) from e
 
-from ._errors import FormationError, FormationTimeoutError, InvalidArgumentError
+from ._errors import (
+    FormationError,
+    FormationTimeoutError,
+    InvalidArgumentError,
+    StoreError,
+    StoreTimeoutError,
+)
 from ._group import Group, _acquire_server, _bind_address, _host_of, _release_server, _timeout_arg
+from ._store import StoreClient
 from ._transport import _wildcard, auth_key_or_env, local_address_for, resolve
 
-__all__ = ["group_from_torch", "init_torch_process_group"]
+__all__ = ["TorchStore", "TorchStoreError", "TorchStoreTimeoutError", "group_from_torch",
+           "init_torch_process_group"]
 
 log = logging.getLogger("ctrlcomm")
 
@@ -211,3 +221,130 @@ def init_torch_process_group(group: Any, backend: str = "gloo",
         impl._set_sequence_number_for_group()
     pg._register_backend(device, btype, impl)
     return pg  # the backend holds the prefix store, which holds the TCPStore: alive as long
+
+
+# ------------------------------------------------------------------------------ stores
+
+
+class TorchStoreError(StoreError, dist.DistStoreError):
+    """A :class:`TorchStore` request failed: a ctrlcomm ``StoreError`` that torch code
+    catches as ``torch.distributed.DistStoreError`` too."""
+
+
+class TorchStoreTimeoutError(StoreTimeoutError, TorchStoreError):
+    """A :class:`TorchStore` request timed out (``StoreTimeoutError``, ``TimeoutError`` and
+    ``torch.distributed.DistStoreError``, as a TCPStore's timeout is)."""
+
+
+def _as_torch_error(e: StoreError) -> StoreError:
+    if isinstance(e, StoreTimeoutError):
+        return TorchStoreTimeoutError(str(e), answered=e.answered)
+    return TorchStoreError(str(e))
+
+
+def _seconds(timeout: Any) -> float:
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+
+
+class TorchStore(dist.Store):  # type: ignore[misc,name-defined]
+    """A ctrlcomm store client as a ``torch.distributed.Store``.
+
+    Hands the store of a ctrlcomm group (``group.store``; the vLLM drop-in's ``pg.store`` is
+    one already) to code that wants a torch store: ``PrefixStore(prefix, store)``,
+    ``init_process_group(store=...)``, a C++ consumer. Every call has the deadline of the
+    store's ``timeout`` (``set_timeout`` changes it); failures raise
+    :class:`TorchStoreError` and :class:`TorchStoreTimeoutError`, which torch code catches
+    as ``DistStoreError``. ``clone()`` opens another connection to the same store.
+
+    Args:
+        client: the :class:`ctrlcomm.StoreClient` to serve through (not closed by this
+            object: its owner, the group, closes it).
+    """
+
+    def __init__(self, client: StoreClient) -> None:
+        super().__init__()
+        if not isinstance(client, StoreClient):
+            raise InvalidArgumentError(f"TorchStore needs a ctrlcomm StoreClient, got a "
+                                       f"{type(client).__name__}")
+        self.client = client
+        self.set_timeout(datetime.timedelta(seconds=min(client.timeout, 1e9)))
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("timeout", _seconds(self.timeout))
+        try:
+            return fn(*args, **kwargs)
+        except StoreError as e:
+            raise _as_torch_error(e) from None
+
+    def __repr__(self) -> str:
+        return f"TorchStore({self.client!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        # (the client's own API, host, port, ping, exists..., as on the client itself)
+        if name == "client":
+            raise AttributeError(name)
+        return getattr(self.client, name)
+
+    # (the names torch's C++ side calls, getNumKeys and deleteKey among them)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call(self.client.set, key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call(self.client.get, key)  # type: ignore[no-any-return]
+
+    def add(self, key: str, value: int) -> int:
+        return self._call(self.client.add, key, value)  # type: ignore[no-any-return]
+
+    def compare_set(self, key: str, expected_value: str | bytes,
+                    desired_value: str | bytes) -> bytes:
+        return self._call(self.client.compare_set, key, expected_value,  # type: ignore[no-any-return]
+                          desired_value)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._call(self.client.append, key, value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call(self.client.multi_get, keys)  # type: ignore[no-any-return]
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._call(self.client.multi_set, keys, values)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(self.client.delete, key)  # type: ignore[no-any-return]
+
+    deleteKey = delete_key  # noqa: N815
+
+    def num_keys(self) -> int:
+        return self._call(self.client.num_keys)  # type: ignore[no-any-return]
+
+    getNumKeys = num_keys  # noqa: N815
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(self.client.check, keys)  # type: ignore[no-any-return]
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if timeout is None:
+            self._call(self.client.wait, keys)
+        else:
+            self._call(self.client.wait, keys, timeout=_seconds(timeout))
+
+    def list_keys(self) -> list[str]:
+        return self._call(self.client.list_keys)  # type: ignore[no-any-return]
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self._call(self.client.queue_push, key, value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self._call(self.client.queue_pop, key, block)  # type: ignore[no-any-return]
+
+    def queue_len(self, key: str) -> int:
+        return self._call(self.client.queue_len, key)  # type: ignore[no-any-return]
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self) -> TorchStore:
+        c = self.client
+        return TorchStore(StoreClient(c.host, c.port, timeout=_seconds(self.timeout),
+                                      prefix=c.prefix, auth_key=c._conn.key, encrypt=c.encrypt))

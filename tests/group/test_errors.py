@@ -1222,13 +1222,17 @@ def test_peer_that_closed_is_reported_fast():
 
 def sent_then_left_long_ago(g, aio):
     """Ranks 1 and 2 send (rank 2 in a broadcast too) and close; rank 0 takes it all well
-    after their heartbeats stopped."""
+    after their heartbeats stopped. (Rank 1 stays until rank 2's broadcast, which goes to
+    it too, has been sent: a broadcast to a rank that closed first fails.)"""
     import asyncio
 
     if g.rank:
         g.send({"from": g.rank}, 0)
         if g.rank == 2:
             g.broadcast(("config", 2), src=2)
+            g.store.set("broadcast", "sent")
+        else:
+            g.store.wait(["broadcast"], timeout=30)
         return None
     time.sleep(2.5)  # (its own work: past liveness_timeout, the peers long gone)
     got = []

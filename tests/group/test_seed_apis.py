@@ -866,6 +866,100 @@ def test_async_zmq_communicator_call_cancelled_before_it_began_breaks_the_group(
     assert res == [[True, "GroupBrokenError"], ["PeerLostError", "PeerLostError"]], res
 
 
+def megatron_engine_loop(rank, size, port, transport):
+    """Megatron's dynamic engine loop with use_synchronous_zmq_collectives: each step awaits
+    all_reduce_max(..., async_op=False), which blocks, then yields to the loop once; a task
+    scheduled before the loop ran (a request arriving) must get its turn. Then Megatron's
+    shutdown: close(), then the context's term(), timed."""
+    import os
+    import time
+
+    import torch.distributed as dist
+    import zmq
+
+    from ctrlcomm import AsyncZMQCommunicator
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    ctx = zmq.Context()
+    comm = AsyncZMQCommunicator(ctx, None, transport=transport)
+
+    async def engine():
+        ran_at = []
+        step = 0
+
+        async def request():
+            ran_at.append(step)
+
+        asyncio.get_running_loop().create_task(request())  # (before the loop's first step)
+        for step in range(200):  # noqa: B007  (read by request())
+            busy = await comm.all_reduce_max(step, rank, async_op=False)
+            assert busy == (step, size - 1)
+        return ran_at
+
+    ran_at = asyncio.run(engine())
+    dist.barrier()
+    t = time.monotonic()
+    comm.close()
+    ctx.term()
+    shutdown = time.monotonic() - t
+    dist.destroy_process_group()
+    return ran_at, shutdown
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_megatrons_engine_loop_gets_its_turn_and_its_shutdown_is_prompt(transport):
+    pytest.importorskip("torch")
+    res = run_ranks(megatron_engine_loop, 3, free_port(), transport, timeout=120)
+    for r, (ran_at, shutdown) in enumerate(res):
+        assert ran_at == [0], f"rank {r}: the waiting task ran at steps {ran_at}"
+        # (a context of the caller's must not wait out ZeroMQ's linger, 5 s, for a peer
+        # that closed first)
+        assert shutdown < 1.5, f"rank {r}: close() and term() took {shutdown:.2f} s"
+
+
+def torch_process_group_over_pg_store(rank, size, port):
+    """pg.store of a group vLLM's way, handed to torch: a PrefixStore over it, a gloo
+    ProcessGroup formed through that (torch's C++ calls the store), and its timeouts
+    caught as torch's DistStoreError."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from ctrlcomm import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, size)
+    store = dist.PrefixStore("torch", pg.store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    out = [float(t), isinstance(pg.store, dist.Store)]
+    store.set(f"k{rank}", os.urandom(8).hex())
+    store.wait([f"k{r}" for r in range(size)], datetime.timedelta(seconds=30))
+    out.append(store.add("count", 1) > 0 and store.check([f"k{r}" for r in range(size)]))
+    for s in (pg.store, store):
+        s.set_timeout(datetime.timedelta(seconds=0.3))
+        try:
+            s.get("never set")
+        except dist.DistStoreError as e:
+            out.append((type(e).__name__, isinstance(e, ctrlcomm.StoreTimeoutError),
+                        isinstance(e, TimeoutError)))
+    dist.destroy_process_group()
+    pg.barrier()
+    pg.close()
+    return out
+
+
+@pytest.mark.torch
+def test_pg_store_is_a_store_torch_accepts():
+    pytest.importorskip("torch")
+    for out in run_ranks(torch_process_group_over_pg_store, 3, free_port(), timeout=90):
+        assert out == [6.0, True, True] + [("TorchStoreTimeoutError", True, True)] * 2, out
+
+
 # -------------------------------------------------------------------------- torch interop
 
 
