@@ -269,10 +269,10 @@ class TorchStore(dist.Store):  # type: ignore[misc,name-defined]
         self.client = client
         self.set_timeout(datetime.timedelta(seconds=min(client.timeout, 1e9)))
 
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("timeout", _seconds(self.timeout))
+    def _call(self, fn: Any, *args: Any, timeout: Any = None, **kwargs: Any) -> Any:
+        t = _seconds(self.timeout if timeout is None else timeout)
         try:
-            return fn(*args, **kwargs)
+            return fn(*args, timeout=t, **kwargs)
         except StoreError as e:
             raise _as_torch_error(e) from None
 
@@ -285,61 +285,61 @@ class TorchStore(dist.Store):  # type: ignore[misc,name-defined]
             raise AttributeError(name)
         return getattr(self.client, name)
 
-    # (the names torch's C++ side calls, getNumKeys and deleteKey among them)
+    # torch's names (getNumKeys and deleteKey too: its C++ side calls those), with the
+    # client's keywords (timeout=, get's wait=) besides
 
-    def set(self, key: str, value: str | bytes) -> None:
-        self._call(self.client.set, key, value)
+    def set(self, key: str, value: str | bytes, *, timeout: Any = None) -> None:
+        self._call(self.client.set, key, value, timeout=timeout)
 
-    def get(self, key: str) -> bytes:
-        return self._call(self.client.get, key)  # type: ignore[no-any-return]
+    def get(self, key: str, *, wait: bool = True, timeout: Any = None) -> bytes:
+        return self._call(self.client.get, key, wait=wait, timeout=timeout)  # type: ignore[no-any-return]
 
-    def add(self, key: str, value: int) -> int:
-        return self._call(self.client.add, key, value)  # type: ignore[no-any-return]
+    def add(self, key: str, value: int, *, timeout: Any = None) -> int:
+        return self._call(self.client.add, key, value, timeout=timeout)  # type: ignore[no-any-return]
 
-    def compare_set(self, key: str, expected_value: str | bytes,
-                    desired_value: str | bytes) -> bytes:
+    def compare_set(self, key: str, expected_value: str | bytes | None,
+                    desired_value: str | bytes, *, timeout: Any = None) -> bytes:
         return self._call(self.client.compare_set, key, expected_value,  # type: ignore[no-any-return]
-                          desired_value)
+                          desired_value, timeout=timeout)
 
-    def append(self, key: str, value: str | bytes) -> None:
-        self._call(self.client.append, key, value)
+    def append(self, key: str, value: str | bytes, *, timeout: Any = None) -> None:
+        self._call(self.client.append, key, value, timeout=timeout)
 
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._call(self.client.multi_get, keys)  # type: ignore[no-any-return]
+    def multi_get(self, keys: list[str], *, wait: bool = True, timeout: Any = None
+                  ) -> list[bytes]:
+        return self._call(self.client.multi_get, keys, wait=wait, timeout=timeout)  # type: ignore[no-any-return]
 
-    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._call(self.client.multi_set, keys, values)
+    def multi_set(self, keys: list[str], values: list[str | bytes], *,
+                  timeout: Any = None) -> None:
+        self._call(self.client.multi_set, keys, values, timeout=timeout)
 
-    def delete_key(self, key: str) -> bool:
-        return self._call(self.client.delete, key)  # type: ignore[no-any-return]
+    def delete_key(self, key: str, *, timeout: Any = None) -> bool:
+        return self._call(self.client.delete, key, timeout=timeout)  # type: ignore[no-any-return]
 
     deleteKey = delete_key  # noqa: N815
 
-    def num_keys(self) -> int:
-        return self._call(self.client.num_keys)  # type: ignore[no-any-return]
+    def num_keys(self, *, timeout: Any = None) -> int:
+        return self._call(self.client.num_keys, timeout=timeout)  # type: ignore[no-any-return]
 
     getNumKeys = num_keys  # noqa: N815
 
-    def check(self, keys: list[str]) -> bool:
-        return self._call(self.client.check, keys)  # type: ignore[no-any-return]
+    def check(self, keys: list[str], *, timeout: Any = None) -> bool:
+        return self._call(self.client.check, keys, timeout=timeout)  # type: ignore[no-any-return]
 
     def wait(self, keys: list[str], timeout: Any = None) -> None:
-        if timeout is None:
-            self._call(self.client.wait, keys)
-        else:
-            self._call(self.client.wait, keys, timeout=_seconds(timeout))
+        self._call(self.client.wait, keys, timeout=timeout)
 
-    def list_keys(self) -> list[str]:
-        return self._call(self.client.list_keys)  # type: ignore[no-any-return]
+    def list_keys(self, *, timeout: Any = None) -> list[str]:
+        return self._call(self.client.list_keys, timeout=timeout)  # type: ignore[no-any-return]
 
-    def queue_push(self, key: str, value: str | bytes) -> None:
-        self._call(self.client.queue_push, key, value)
+    def queue_push(self, key: str, value: str | bytes, *, timeout: Any = None) -> None:
+        self._call(self.client.queue_push, key, value, timeout=timeout)
 
-    def queue_pop(self, key: str, block: bool = True) -> bytes:
-        return self._call(self.client.queue_pop, key, block)  # type: ignore[no-any-return]
+    def queue_pop(self, key: str, block: bool = True, *, timeout: Any = None) -> bytes:
+        return self._call(self.client.queue_pop, key, block, timeout=timeout)  # type: ignore[no-any-return]
 
-    def queue_len(self, key: str) -> int:
-        return self._call(self.client.queue_len, key)  # type: ignore[no-any-return]
+    def queue_len(self, key: str, *, timeout: Any = None) -> int:
+        return self._call(self.client.queue_len, key, timeout=timeout)  # type: ignore[no-any-return]
 
     def has_extended_api(self) -> bool:
         return True
