@@ -31,9 +31,10 @@ class AnsweringEndpoint:
         op, seq, rnd = header[3], header[8], header[9]
         self.pending.append(w.Message(w.COLL, 0, 1, seq, rnd, op, w.NO_ROOT, w.PICKLE, payload))
 
-    def send_framed(self, dsts, data: bytes) -> None:
-        start = w.PREFIX2.size + w.HEADER.size
-        self._answer(w.HEADER.unpack_from(data, w.PREFIX2.size), data[start:])
+    def send_framed(self, dsts, data: list[bytes]) -> None:
+        at = w.stream_prefix_lens([w.HEADER.size, 0, w.MAC_SIZE]).__len__()  # (the usual's)
+        one = data[0]
+        self._answer(w.HEADER.unpack_from(one, at), one[at + w.HEADER.size:-w.MAC_SIZE])
 
     def send_many(self, dsts, frames) -> None:
         self._answer(w.HEADER.unpack(frames[0]), frames[1])
@@ -57,7 +58,7 @@ class AnsweringEndpoint:
 def answered_group() -> Group:
     """Rank 1 of a world-4 group whose endpoint answers at once (for the tests too)."""
     core = Core(name="bench", rank=1, size=4, group_id=1, endpoint=AnsweringEndpoint(),
-                codec=w.PICKLE, key=None, timeout=10.0)
+                codec=w.PICKLE, key=b"k" * 32, timeout=10.0)
     g = Group.__new__(Group)
     g._core = core
     return g

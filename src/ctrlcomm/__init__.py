@@ -25,6 +25,7 @@ from ._group import AioGroup as AioGroup
 from ._group import Group as Group
 from ._megatron import AsyncZMQCommunicator as AsyncZMQCommunicator
 from ._store import StoreClient as StoreClient
+from ._store import StoreLimits as StoreLimits
 from ._transport import StoreServer as StoreServer
 from ._vllm import StatelessProcessGroup as StatelessProcessGroup
 
@@ -51,6 +52,7 @@ __all__ = [
     "StatelessProcessGroup",
     "StoreClient",
     "StoreError",
+    "StoreLimits",
     "StoreQueueEmptyError",
     "StoreServer",
     "StoreTimeoutError",

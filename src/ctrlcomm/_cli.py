@@ -15,15 +15,9 @@ from ._bench import DEFAULT_OPS
 
 
 def _store(args: argparse.Namespace) -> int:
-    import logging
-
     from ._transport import StoreServer, auth_key_or_env
 
-    key = auth_key_or_env()
-    if args.host in ("0.0.0.0", "::") and not key:
-        logging.getLogger("ctrlcomm").warning(
-            "the store binds every interface without CTRLCOMM_AUTH_KEY: anyone who reaches "
-            "this host can read and write it")
+    key = auth_key_or_env()  # (without one, beyond the loopback, the server says what that means)
     if args.encrypt and not key:
         print("--encrypt needs CTRLCOMM_AUTH_KEY in the environment (the store's keys are "
               "derived from it)", file=sys.stderr)

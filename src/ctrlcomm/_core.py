@@ -197,7 +197,7 @@ _NO_STEP: tuple[dict[int, None], dict[int, Any], int, int, int, int, int] = \
 class Core:
     def __init__(self, *, name: str, rank: int, size: int, group_id: int,
                  endpoint: TcpEndpoint | ZmqEndpoint,
-                 codec: int, key: bytes | None, timeout: float,
+                 codec: int, key: bytes, timeout: float,
                  heartbeat: Heartbeat | None = None,
                  liveness_timeout: float | None = None) -> None:
         self.name, self.rank, self.size = name, rank, size
@@ -206,6 +206,8 @@ class Core:
         self.codec = codec
         # a data-only group never unpickles, whatever codec a message's header names
         self._unpickle = codec == w.PICKLE
+        if not key:
+            raise ValueError("a group's core needs its MAC key (made at formation)")
         self.key = key
         self.timeout = timeout
         self.seq = 0  # next collective's sequence number
@@ -301,8 +303,8 @@ class Core:
         # not yet in this step; else until when it reads again while a read takes anything
         # (SETTLE_S; -inf once one took nothing)
         self._settle_until = 0.0
-        # messages without a MAC go to a stream endpoint framed in one piece (Core._post)
-        self._stream = endpoint.STREAM and not key
+        # small messages go to a stream endpoint framed in one piece (Core._post)
+        self._stream = endpoint.STREAM
         # ... and, pickled, the usual small object is framed in line (Core._post)
         self._fast = self._stream and codec == w.PICKLE
         # ... and read from its sender's socket in line (Core._express)
@@ -1001,8 +1003,8 @@ class Core:
             if type(payload) is bytes:
                 if len(payload) < COPY_THRESHOLD:
                     self.ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint
-                        dsts, w.stream_message(_COLL, self.rank, self.group_id, seq, rnd,
-                                               opcode, root, _PICKLE, payload))
+                        dsts, w.stream_messages(dsts, _COLL, self.rank, self.group_id, seq,
+                                                rnd, opcode, root, _PICKLE, payload, self.key))
                     self.sent += len(sends)
                     return
                 enc = (payload, ())
@@ -1049,11 +1051,8 @@ class Core:
             if self._stream and not bufs and type(payload) is bytes \
                     and len(payload) < COPY_THRESHOLD:  # one piece, framed at once
                 ep.send_framed(  # type: ignore[union-attr]  # a TcpEndpoint (STREAM)
-                    to, w.stream_message(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
-                                         root, codec, payload))
-            elif not key:
-                ep.send_many(to, w.frames(w.COLL, self.rank, self.group_id, seq, rnd, opcode,
-                                          root, codec, payload, bufs))
+                    to, w.stream_messages(to, w.COLL, self.rank, self.group_id, seq, rnd,
+                                          opcode, root, codec, payload, key))
             else:  # each destination's MAC
                 self._send_signed(to, w.frames_for(to, w.COLL, self.rank, self.group_id,
                                                    seq, rnd, opcode, root, codec, payload,
@@ -1280,8 +1279,9 @@ class Core:
                 # Core._post); anything else the general way, with what that pass found
                 for d in dsts:
                     n = count.get(d, 1)
-                    ep.send_framed((d,), w.stream_message(  # type: ignore[union-attr]  # (a TcpEndpoint)
-                        w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT, _PICKLE, payload))
+                    ep.send_framed((d,), w.stream_messages(  # type: ignore[union-attr]  # (a TcpEndpoint)
+                        (d,), w.P2P, self.rank, self.group_id, n, tag, 0, w.NO_ROOT, _PICKLE,
+                        payload, self.key))
                     count[d] = n + 1
                 self.sent += len(dsts)
             else:

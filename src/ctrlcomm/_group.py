@@ -41,7 +41,7 @@ from ._errors import (
     StoreTimeoutError,
     show,
 )
-from ._store import StoreClient, _check_host, _secs, _store_host, port_arg
+from ._store import StoreClient, StoreLimits, _check_host, _secs, _store_host, port_arg
 from ._transport import (
     Heartbeat,
     StoreServer,
@@ -56,6 +56,7 @@ from ._transport import (
     proc_address,
     resolve,
     same_host_procs,
+    warn_if_unkeyed,
 )
 
 CODECS = {"pickle": w.PICKLE, "msgpack": w.MSGPACK}
@@ -516,7 +517,7 @@ _servers_lock = threading.Lock()
 
 
 def _acquire_server(host: str, port: int, key: bytes | None = None,
-                    encrypt: bool = False) -> StoreServer:
+                    encrypt: bool = False, limits: StoreLimits | None = None) -> StoreServer:
     with _servers_lock:
         entry = _servers.get((host, port))
         if entry is not None and entry[0].pid == os.getpid():
@@ -528,7 +529,7 @@ def _acquire_server(host: str, port: int, key: bytes | None = None,
             entry[1] += 1
             _idle.pop((host, port), None)
             return srv  # type: ignore[no-any-return]
-        srv = StoreServer(host, port, auth_key=key, encrypt=encrypt)
+        srv = StoreServer(host, port, auth_key=key, encrypt=encrypt, limits=limits)
         srv.pid = os.getpid()  # type: ignore[attr-defined]
         _servers[(host, srv.port)] = [srv, 1]  # (port 0: the one the OS picked)
         return srv
@@ -583,6 +584,16 @@ def _reap() -> None:
 def _group_id(name: str, nonce: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{name}\0{nonce}".encode(), digest_size=8).digest(),
                           "little")
+
+
+def _group_key(secret: str, group_id: int, auth_key: bytes | None) -> bytes:
+    """The key every message and heartbeat of a group is MACed with: from the secret rank 0
+    made at formation and gave the ranks that joined (its address table, which the store
+    gives them only), and the ``auth_key`` where there is one (then a stranger who read the
+    table off the wire still cannot make a frame)."""
+    keyed = hashlib.blake2b(auth_key or b"", digest_size=32, person=b"ctrlcomm-auth").digest()
+    return hashlib.blake2b(bytes.fromhex(secret) + group_id.to_bytes(8, "little"), key=keyed,
+                           digest_size=32, person=b"ctrlcomm-group").digest()
 
 
 def _bind_address(bind_host: Any, timeout: float, what: str = "bind_host") -> str:
@@ -689,6 +700,7 @@ class Group:
         heartbeat_interval: float = 1.0,
         liveness_timeout: float | None = LIVENESS_TIMEOUT_S,
         encrypt: bool = False,
+        store_limits: StoreLimits | None = None,
         _deadline: float | None = None,
     ) -> Group:
         """Form a group through the store at ``(host, port)``.
@@ -708,9 +720,12 @@ class Group:
                 this machine uses to reach ``host``; ``"0.0.0.0"`` is an explicit opt-in).
             codec: ``"pickle"`` (default) or ``"msgpack"`` (data only, never unpickles).
             auth_key: a shared secret (default: ``CTRLCOMM_AUTH_KEY`` from the environment).
-                Every frame and store request then carries a MAC over header and payload,
-                checked before anything is decoded: frames from anyone without the key are
-                dropped and counted, never unpickled.
+                Without one, every frame and heartbeat is still authenticated (a MAC over
+                header and payload, checked before anything is decoded) with a secret rank
+                0 makes at formation and the store gives only to the ranks that joined;
+                with one, the store and formation are too (a stranger cannot join in a
+                rank's place, nor learn the secret by reading the network as the group
+                forms). See the README's threat model.
             transport: ``"tcp"`` (default without ``encrypt``: plain sockets, lowest
                 latency) or ``"zmq"`` (ZeroMQ PUSH/PULL sockets; the default with
                 ``encrypt``); ``None``: ``CTRLCOMM_TRANSPORT`` where it is set, which also
@@ -738,6 +753,8 @@ class Group:
                 key pair is derived from ``auth_key`` (so an external store runs with
                 ``ctrlcomm store --encrypt``). Heartbeats stay plain (MAC'd group id,
                 rank and beat number only).
+            store_limits: what the store this rank hosts takes at most
+                (:class:`StoreLimits`; default ``StoreLimits()``).
 
         Raises:
             InvalidArgumentError: bad rank, world size, name, timeout, codec or
@@ -818,7 +835,8 @@ class Group:
                 bind_host = _bind_address(bind_host, deadline - time.monotonic())
             except TimeoutError as e:
                 raise FormationTimeoutError(f"{late}: bind_host: {e}") from None
-        server = _acquire_server(store_address, port, key, encrypt) if host_store else None
+        server = _acquire_server(store_address, port, key, encrypt, store_limits) \
+            if host_store else None
         # (counted from here, not from the rendezvous: a peer without the key may fail its
         # handshake as it connects, and where its ZeroMQ saw the mechanisms differ first,
         # it tries no more until its next request)
@@ -835,11 +853,9 @@ class Group:
             wild = _wildcard(store_address)
             if bind_host is None:
                 bind_host = store_address if wild else local_address_for(store_address, port)
-            if _wildcard(bind_host) and not key:
-                log.warning("group %r binds every interface (%r) without an auth_key: anyone "
-                            "who reaches this host can send frames to it", name, bind_host)
+            warn_if_unkeyed(f"group {name!r}", bind_host, key)
             ep = make_endpoint(transport, bind_host, zmq_context=zmq_context, encrypt=encrypt)
-            hb = Heartbeat(bind_host, 0, rank, key or None, float(heartbeat_interval))
+            hb = Heartbeat(bind_host, 0, rank, None, float(heartbeat_interval))
             # "endpoint udp-port [unix:name@host] [curve:public-key] [proc:host:pid:start]":
             # this rank's line of the address table; the optional fields where this host has
             # Unix sockets, the group encrypts, or this host has /proc (a silent peer of this
@@ -864,8 +880,8 @@ class Group:
                                         "curve:" + curve.decode() if curve else "", proc, alike,
                                         "join:" + os.urandom(6).hex())))
             try:
-                nonce, table = _rendezvous(store, me, rank, world_size, name, deadline,
-                                           rank0_hosts=rank0_hosts)
+                nonce, secret, table = _rendezvous(store, me, rank, world_size, name, deadline,
+                                                   rank0_hosts=rank0_hosts)
             except FormationTimeoutError as e:
                 if server is not None and server.dropped > dropped and e.args:
                     # what a rank with another auth_key (or none) sent: it waits, unanswered
@@ -898,12 +914,13 @@ class Group:
                         "published no encryption key (were they created without encrypt=True?)")
                 ep.set_peers(peers, keys)
             gid = _group_id(name, nonce)
-            hb.group_id = gid
+            mac_key = _group_key(secret, gid, key)
+            hb.group_id, hb.key = gid, mac_key
             hb.start({r: (_host_of(peers[r]), int(line.split(" ")[1]))
                       for r, line in table.items() if r != rank},
                      same_host_procs(extra("proc:"), proc))
             core = Core(name=name, rank=rank, size=world_size, group_id=gid,
-                        endpoint=ep, codec=CODECS[codec], key=key or None, timeout=t,
+                        endpoint=ep, codec=CODECS[codec], key=mac_key, timeout=t,
                         heartbeat=hb,
                         liveness_timeout=None if liveness_timeout is None
                         else float(liveness_timeout))
@@ -1488,12 +1505,15 @@ def _silent_store(store: StoreClient, name: str, rank: int, rank0_hosts: bool,
 
 
 def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: str,
-                deadline: float, rank0_hosts: bool = True) -> tuple[str, dict[int, str]]:
-    """Publish this rank's address; return (nonce, {rank: address}) of the formed group.
+                deadline: float, rank0_hosts: bool = True) -> tuple[str, str, dict[int, str]]:
+    """Publish this rank's address; return (nonce, secret, {rank: address}) of the formed
+    group.
 
-    Rank 0 waits for every rank's key, publishes the table (nonce and addresses, plain text:
-    nothing here is ever unpickled; or, where the ranks' settings differ, ``!`` and what
-    differs) and, once every rank has read it, deletes the table and its own key (each other
+    Rank 0 waits for every rank's key, gives each rank the group's secret (a key of its own,
+    which the store lets that rank only read: see ``StoreState``), publishes the table
+    (nonce and addresses, plain text: nothing here is ever unpickled; or, where the ranks'
+    settings differ, ``!`` and what differs) and, once every rank has read it, deletes the
+    table and its own key (each other
     rank deleted its own as it read the table). A rank that times
     out asks the store why for at most :data:`ASK_S` more (a store that does not answer
     at all takes its reply slack more, ``REPLY_SLACK_S``). A rank whose formation fails
@@ -1537,9 +1557,10 @@ def _withdraw(store: StoreClient, rank: int, table: bool, token: str) -> None:
     try:  # (the mark first: a rank asking in between finds one or the other)
         if token:
             store.set(f"{GAVE_UP}{rank}", token, timeout=ASK_S)
-        store.delete(f"{FORMATION}rank/{rank}", timeout=ASK_S)
-        if table:
+        if table:  # (while this rank's key is there: the table is rank 0's to delete)
+            store.delete_prefix(f"{FORMATION}secret/", timeout=ASK_S)
             store.delete(f"{FORMATION}table", timeout=ASK_S)
+        store.delete(f"{FORMATION}rank/{rank}", timeout=ASK_S)
     except (StoreError, OSError):
         pass  # (the store is gone, or does not answer: nothing to clean, or no way to)
 
@@ -1581,7 +1602,7 @@ def _wait_for_ranks(store: StoreClient, keys: list[str], name: str, address: str
 
 def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
           deadline: float, done: dict[str, str], rank0_hosts: bool = True
-          ) -> tuple[str, dict[int, str]]:
+          ) -> tuple[str, str, dict[int, str]]:
     """:func:`_rendezvous` once this rank's key is set; ``done``: see there."""
 
     def left() -> float:
@@ -1620,8 +1641,10 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
             done["differ"] = ""
             store.set(f"{FORMATION}table", "!" + differ, timeout=left())
             raise FormationError(differ)
-        nonce = os.urandom(8).hex()
+        nonce, secret = os.urandom(8).hex(), os.urandom(32).hex()
         done["table"] = ""
+        for r in range(1, size):
+            store.set(f"{FORMATION}secret/{r}", secret, timeout=left())
         store.set(f"{FORMATION}table", "\n".join([nonce, *addrs]), timeout=left())
         if size > 1:
             _settled(store, nonce, rank, size, name, deadline, rank0_hosts=rank0_hosts)
@@ -1632,10 +1655,12 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         # the last to read the settlement its counters: _settled).
         try:  # (best effort: formed; rank 0's wait in _settled may have reached the deadline)
             store.multi_delete([keys[0], f"{FORMATION}table",
-                                *(f"{GAVE_UP}{r}" for r in range(size))], timeout=ASK_S)
+                                *(f"{GAVE_UP}{r}" for r in range(size)),
+                                *(f"{FORMATION}secret/{r}" for r in range(1, size))],
+                               timeout=ASK_S)
         except StoreError:
             pass
-        return nonce, dict(enumerate(addrs))
+        return nonce, secret, dict(enumerate(addrs))
     # rank 0's settings, as soon as it has joined: a rank created otherwise says so at once
     # (rank 0, waiting for ranks that never come, says it at its deadline)
     try:
@@ -1680,6 +1705,13 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
                 "try again")
         time.sleep(0.05)
     nonce = lines[0]
+    try:  # (set before the table was: there, unless the table is another try's)
+        secret = store.get(f"{FORMATION}secret/{rank}", wait=False, timeout=left()).decode()
+        store.delete(f"{FORMATION}secret/{rank}", timeout=min(left(), ASK_S))
+    except KeyError:
+        raise FormationError(f"group {name!r}: rank 0 published the address table without "
+                             f"this rank's secret (rank {rank}): a store of an earlier "
+                             "version, or a table of another try; try again") from None
     # its key, read, first (rank 0 leaves it: this rank's next formation of this name, right
     # after a close, may have set it again by then; this one must find it gone; and a rank
     # whose key is still there when the wait runs out has not read the table). Before the
@@ -1696,7 +1728,7 @@ def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
         ok, held = store.set_if_absent(f"{FORMATION}done/{nonce}", "1", timeout=left())
         known = b"1" if ok else held
     _settled(store, nonce, rank, size, name, deadline, known, rank0_hosts)
-    return nonce, dict(enumerate(lines[1:]))
+    return nonce, secret, dict(enumerate(lines[1:]))
 
 
 def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,

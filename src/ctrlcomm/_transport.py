@@ -34,6 +34,7 @@ import hashlib
 import hmac
 import ipaddress
 import itertools
+import logging
 import os
 import select
 import socket
@@ -51,6 +52,8 @@ import zmq.utils.z85
 
 from . import _wire as w
 from ._errors import CtrlcommError, StoreError, StoreTimeoutError, WireError
+
+log = logging.getLogger("ctrlcomm")
 
 _ctx: zmq.Context[Any] | None = None
 _ctx_pid = -1
@@ -494,9 +497,9 @@ class ZmqEndpoint:
         I/O thread reads it after this returns): as it is where it cannot change
         (w.immutable), else copied first, once for all the destinations."""
         held = self._held
-        if len(frames) == 2 and type(frames[0]) is bytes and type(frames[1]) is bytes \
-                and len(frames[1]) < COPY_THRESHOLD:  # the usual: header and small payload
-            head, payload = frames
+        if len(frames) == 3 and type(frames[0]) is bytes and type(frames[1]) is bytes \
+                and len(frames[1]) < COPY_THRESHOLD:  # the usual: header, small payload, MAC
+            head, payload, mac = frames
             for dst in dsts:
                 if held and dst in held:
                     held[dst].append((frames, None))
@@ -507,7 +510,8 @@ class ZmqEndpoint:
                 except zmq.Again:  # (its queue full: ZeroMQ takes a message whole or not)
                     held[dst] = deque([(frames, None)])
                     continue
-                s.send(payload, zmq.DONTWAIT)
+                s.send(payload, zmq.SNDMORE | zmq.DONTWAIT)
+                s.send(mac, zmq.DONTWAIT)
             return
         big = [memoryview(f).nbytes >= COPY_THRESHOLD for f in frames]
         if any(big):
@@ -1082,6 +1086,163 @@ class StoreConnection:
             self._bell_r = self._bell_w = -1
 
 
+class StoreStream:
+    """One client connection to a store without a key: plain TCP (see :class:`StoreServer`).
+    The connection is made as a request needs it, and made again where it ended (a store
+    restarted, or one that closed it to take another at its limit), the request then sent
+    again (the store answers a request of the same id once: see StoreState.handle)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.key: bytes | None = None
+        self.addr = _tcp(host, port)
+        self._family, self._where = _parse_tcp(self.addr)
+        if ":" in host:
+            self._family = socket.AF_INET6
+        self._id = os.urandom(w.STORE_ID_SIZE)  # (the store knows this client by it)
+        self.sock: socket.socket | None = None
+        self._dec: w.StoreStreamDecoder | None = None
+        self._bell_r, self._bell_w = os.pipe()
+        os.set_blocking(self._bell_w, False)
+        self._bell_lock = threading.Lock()
+        self.rung = False
+
+    def _connect(self, deadline: float) -> bool:
+        try:
+            s = socket.socket(self._family, socket.SOCK_STREAM)
+        except OSError:
+            return False
+        try:
+            s.settimeout(max(min(deadline - time.monotonic(), PROBE_S * 2), 0.001))
+            s.connect(self._where)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(w.store_hello(self._id))
+            s.setblocking(False)
+        except OSError:
+            s.close()
+            return False
+        self.sock = s
+        self._dec = w.StoreStreamDecoder(w.MAX_STORE_KEYS + 8, w.STORE_MAX_FRAME * 2)
+        return True
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = self._dec = None
+
+    def interrupt(self) -> None:
+        """Wake the request waiting in another thread: it raises StoreError (closed)."""
+        with self._bell_lock:
+            if self._bell_w >= 0:
+                self.rung = True
+                with contextlib.suppress(OSError):  # (full: rung already)
+                    os.write(self._bell_w, b"x")
+
+    def _closed_error(self) -> StoreError:
+        return StoreError(f"the store client of {self.addr} was closed (by another thread) "
+                          "while this request waited")
+
+    def request(self, req: w.StoreRequest, deadline: float) -> w.StoreReply | None:
+        """Send ``req`` and wait for its reply until ``deadline``; ``None`` on timeout (the
+        store unreachable, or silent)."""
+        if self.rung:
+            raise StoreError(f"the store client of {self.addr} was closed")
+        data = w.store_stream_message(w.encode_store_request(req))
+        sent = False
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            if self.sock is None:
+                if not self._connect(deadline):
+                    # (refused, or unreachable: again shortly, until the deadline)
+                    if self._sleep(min(STORE_RETRY_S, deadline - time.monotonic())):
+                        raise self._closed_error()
+                    continue
+                sent = False
+            sock = self.sock
+            assert sock is not None and self._dec is not None
+            if not sent:
+                try:
+                    sock.setblocking(True)
+                    sock.settimeout(max(deadline - now, 0.001))
+                    sock.sendall(data)
+                    sock.setblocking(False)
+                    sent = True
+                except OSError:  # (its end, or a send that timed out: the deadline)
+                    self._drop()
+                    continue
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            poller.register(self._bell_r, select.POLLIN)
+            wait = min(deadline - time.monotonic(), MAX_POLL_S)
+            ready = dict(poller.poll(max(1, int(wait * 1000))))
+            if self.rung or self._bell_r in ready:
+                raise self._closed_error()
+            if sock.fileno() not in ready:
+                continue
+            try:
+                got = sock.recv(STORE_READ)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                self._drop()
+                continue
+            if not got:
+                self._drop()
+                continue
+            if not self._dec.pending() and got[:1] == b"\xff":  # ZMTP's signature
+                self._drop()
+                # a ZeroMQ store (one with a key) greets first; looked at again, with a
+                # NULL client's greeting, which such a store counts (rank 0 then says a
+                # rank without the key came). Not one: a port that is not a store's
+                if _zmtp_mechanism(*self._where, min(PROBE_S, deadline - time.monotonic()),
+                                   null=True) not in (None, b"NULL"):
+                    raise StoreError(f"the store at {self.addr} runs with an auth_key, or "
+                                     "encryption, and this client has neither: it answers "
+                                     "nothing unauthenticated")
+                if self._sleep(min(STORE_RETRY_S, deadline - time.monotonic())):
+                    raise self._closed_error()
+                continue
+            try:
+                msgs = self._dec.feed(got)
+            except WireError:
+                self._drop()
+                continue
+            for frames in msgs:
+                try:
+                    rep = w.decode_store_reply(frames)
+                except WireError:
+                    continue
+                if rep.req_id == req.req_id:
+                    return rep
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep ``seconds`` unless woken by :meth:`interrupt` (then True)."""
+        r, _, _ = select.select([self._bell_r], [], [], max(seconds, 0.0))
+        return bool(r) or self.rung
+
+    def close(self) -> None:
+        with self._bell_lock:
+            if self._bell_w < 0:
+                return
+            self._drop()
+            os.close(self._bell_r)
+            os.close(self._bell_w)
+            self._bell_r = self._bell_w = -1
+
+
+def store_connection(host: str, port: int, key: bytes | None, encrypt: bool
+                     ) -> StoreConnection | StoreStream:
+    """A client's connection to the store at ``host:port``: over ZeroMQ with a key (and
+    CurveZMQ, as the store runs), over plain TCP without."""
+    if key or encrypt:
+        return StoreConnection(host, port, key, encrypt)
+    return StoreStream(host, port)
+
+
+# A TCP store client tries a connection again this often while its store refuses it.
+STORE_RETRY_S = 0.05
+
 _released: dict[tuple[str, int], float] = {}
 _store_ids = itertools.count()
 # the longest a poll may sleep: ZeroMQ takes milliseconds as a C int (a longer wait, of
@@ -1123,158 +1284,237 @@ def auth_key_or_env(given: str | bytes | None = None) -> bytes | None:
     return key.encode() if isinstance(key, str) else key
 
 
+_warned_unkeyed = False
+
+UNKEYED_WARNING = (
+    "%s binds %s, which other hosts can reach, without an auth_key. What the default "
+    "protects: nobody who did not join a group can make its ranks unpickle anything or "
+    "change a result (every message and heartbeat is authenticated with a secret rank 0 "
+    "makes at formation, which the store gives only to the ranks that joined), and the "
+    "store's limits bound what strangers make it hold. What it does not: one who reads "
+    "the network while a group forms learns that secret, and anyone who reaches the store "
+    "can join a forming group in a rank's place before that rank comes (the rank is then "
+    "told it joined already). Give every rank and store the same auth_key (or set "
+    "CTRLCOMM_AUTH_KEY) for those, and encrypt=True to hide what is sent. (Said once.)")
+
+
+def warn_if_unkeyed(what: str, address: str, key: bytes | None) -> None:
+    """Log, once per process, what a socket bound without a key beyond the loopback
+    (``address``: a numeric address, ``*``, or an interface's name) protects, and what
+    not."""
+    global _warned_unkeyed
+    if key or _warned_unkeyed:
+        return
+    host = address.strip("[]")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        if host == "lo":
+            return
+    _warned_unkeyed = True
+    log.warning(UNKEYED_WARNING, what, address)
+
+
 class StoreServer:
     """A rendezvous store served from a daemon thread of this process.
+
+    Without a key it serves plain TCP (:data:`w.STORE_STREAM_MAGIC` framing), with its
+    :class:`~ctrlcomm._store.StoreLimits` enforced as bytes come: anyone who reaches the
+    port may connect, so nobody may make it hold more than the limits say. With a key it
+    serves ZeroMQ with CurveZMQ: a peer without the key cannot complete the handshake.
 
     Args:
         host: address to bind (``"0.0.0.0"`` binds every interface: an explicit opt-in), an
             interface's name, or a host name (looked up within ``lookup_timeout`` seconds;
             :class:`StoreTimeoutError` past it).
         port: port to bind; 0 picks a free one (see :attr:`port`).
-        auth_key: the shared key: requests and replies then carry a MAC, and a ZeroMQ peer
-            without it cannot complete the handshake (counted in :attr:`dropped`, with the
-            requests dropped as malformed or unauthenticated).
+        auth_key: the shared key: requests and replies then carry a MAC, and a peer without
+            it cannot complete the handshake (counted in :attr:`dropped`, with the requests
+            dropped as malformed or unauthenticated).
         encrypt: CurveZMQ encryption, for groups made with ``encrypt=True`` (needs the key).
+        limits: what the store takes at most (default: ``StoreLimits()``).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  listen_socket: socket.socket | None = None,
                  auth_key: bytes | str | None = None, encrypt: bool = False,
-                 lookup_timeout: float = BIND_LOOKUP_S) -> None:
-        from ._store import StoreState
+                 lookup_timeout: float = BIND_LOOKUP_S, limits: Any = None) -> None:
+        from ._store import StoreLimits, StoreState
 
-        ctx = context()
         self.host = host
         self.key = auth_key.encode() if isinstance(auth_key, str) else auth_key
         if encrypt and not self.key:
             raise CtrlcommError("an encrypted store needs an auth_key (its CurveZMQ keys are "
                                 "derived from it)")
+        if limits is not None and not isinstance(limits, StoreLimits):
+            raise CtrlcommError(f"StoreServer: limits must be a StoreLimits, got a "
+                                f"{type(limits).__name__}")
         self.encrypt = encrypt
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        person = _store_curve(self.key, encrypt)
-        if person is not None:
-            assert self.key
-            _curve_server(self.sock, store_curve_keys(self.key, person)[1])
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if person is not None:
-            # a client's new connection takes its routing id over from its old one, which
-            # the store may not have seen end yet (else ZeroMQ refuses the new one: a client
-            # that made a new socket, see StoreConnection._renew, would be unanswered
-            # meanwhile). Only where the handshake needs the key: on a store without one,
-            # whoever read a client's id off the wire (its handshake sends it in clear)
-            # could take its connection over, and cut it off for good
-            self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, w.STORE_MAX_FRAME)  # (see there)
-        if listen_socket is not None:
-            # serve from a socket the caller already bound (and so reserved) at host:port;
-            # ZeroMQ closes what it is given, so it gets its own copy of the descriptor
-            host, port = listen_socket.getsockname()[:2]
-            self.sock.setsockopt(zmq.USE_FD, os.dup(listen_socket.fileno()))
-        try:
-            addr = _tcp(_bind_host(host, port, lookup_timeout), port or "*")
-        except BaseException:
-            self.sock.close(0)
-            raise
-        if _is_v6(addr):
-            self.sock.setsockopt(zmq.IPV6, 1)
-        # ZeroMQ releases a listener asynchronously: an address this process just closed may
-        # be busy for a few milliseconds more. Only then is a failed bind tried again.
-        retry_until = _released.get((host, port), 0.0) + 2.0
-        while True:
-            try:
-                self.sock.bind(addr)
-                break
-            except zmq.ZMQError as e:
-                if e.errno == zmq.EADDRINUSE and time.monotonic() < retry_until:
-                    time.sleep(0.01)
-                    continue
-                self.sock.close(0)
-                raise _bind_error(e, "store", _tcp(host, port)) from None
-        self.port = int(self.sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
-        self.state = StoreState()
+        self.state = StoreState(limits)
+        self.limits = self.state.limits
         self.dropped = 0
-        # a keyed store counts the connections whose handshake failed (a peer without the
-        # key, or with another): ZeroMQ drops them before anything reaches _serve
-        self._monitor = _monitor(self.sock, HANDSHAKE_FAILED) if person is not None else None
-        # (a counter, not id(self): a closed server's id is soon another's, while its
-        # inproc address may not be released yet)
-        self._wake_addr = f"inproc://ctrlcomm-store-{next(_store_ids)}-{os.getpid()}"
-        try:  # (out of descriptors, say: the port is not kept bound by a store never served)
-            self._wake_rx = ctx.socket(zmq.PULL)
-            try:
-                self._wake_rx.bind(self._wake_addr)
-            except BaseException:
-                self._wake_rx.close(0)
-                raise
-        except BaseException:
-            _close_monitor(self.sock, self._monitor)
-            self.sock.close(0)
-            raise
         self._stop = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self.sock: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self._lsock: socket.socket | None = None
+        try:
+            if self.key:
+                self._bind_zmq(host, port, listen_socket, lookup_timeout)
+            else:
+                self._bind_tcp(host, port, listen_socket, lookup_timeout)
+        except BaseException:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
         self._thread = threading.Thread(target=self._serve, name=f"ctrlcomm-store:{self.port}",
                                          daemon=True)
         try:
             self._thread.start()
         except BaseException:  # ("can't start new thread")
-            _close_monitor(self.sock, self._monitor)
-            self.sock.close(0)
-            self._wake_rx.close(0)
+            self._release()
             raise
 
     def __repr__(self) -> str:
         return f"StoreServer({self.host!r}, {self.port})"
 
+    def _bind_tcp(self, host: str, port: int, listen_socket: socket.socket | None,
+                  lookup_timeout: float) -> None:
+        if listen_socket is not None:
+            # serve from a socket the caller already bound (and so reserved) at host:port
+            ls = socket.socket(fileno=os.dup(listen_socket.fileno()))
+        else:
+            addr = _bind_host(host, port, lookup_timeout)
+            if addr == "*":
+                addr = "0.0.0.0"
+            elif not _numeric(addr):
+                addr = _interface_address(addr)
+            ls = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+            try:
+                ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                _dual_stack(ls, addr)
+                ls.bind((addr, port))
+                ls.listen(1024)
+            except OSError as e:
+                ls.close()
+                raise _bind_os_error(e, "store", _tcp(addr, port)) from None
+        ls.setblocking(False)
+        self._lsock = ls
+        self.port = int(ls.getsockname()[1])
+        warn_if_unkeyed(f"a store (port {self.port})", str(ls.getsockname()[0]), None)
+
+    def _bind_zmq(self, host: str, port: int, listen_socket: socket.socket | None,
+                  lookup_timeout: float) -> None:
+        assert self.key
+        sock = self.sock = context().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            person = _store_curve(self.key, self.encrypt)
+            if person is not None:
+                _curve_server(sock, store_curve_keys(self.key, person)[1])
+                # a client's new connection takes its routing id over from its old one,
+                # which the store may not have seen end yet (else ZeroMQ refuses the new
+                # one: a client that made a new socket, see StoreConnection._renew, would be
+                # unanswered meanwhile); the handshake needs the key, so nobody without it
+                # can take a client's connection over
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, w.STORE_MAX_FRAME)  # (see there)
+            # a connection whose handshake has not completed (a stranger without the key
+            # never completes it) is closed after this long, not ZeroMQ's 30 s
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+            if listen_socket is not None:
+                # ZeroMQ closes what it is given, so it gets its own copy of the descriptor
+                host, port = listen_socket.getsockname()[:2]
+                sock.setsockopt(zmq.USE_FD, os.dup(listen_socket.fileno()))
+            addr = _tcp(_bind_host(host, port, lookup_timeout), port or "*")
+            if _is_v6(addr):
+                sock.setsockopt(zmq.IPV6, 1)
+            # ZeroMQ releases a listener asynchronously: an address this process just
+            # closed may be busy for a few milliseconds more. Only then is a failed bind
+            # tried again.
+            retry_until = _released.get((host, port), 0.0) + 2.0
+            while True:
+                try:
+                    sock.bind(addr)
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EADDRINUSE and time.monotonic() < retry_until:
+                        time.sleep(0.01)
+                        continue
+                    raise _bind_error(e, "store", _tcp(host, port)) from None
+            self.port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+            # counts the connections whose handshake failed (a peer without the key, or
+            # with another): ZeroMQ drops them before anything reaches _serve
+            self._monitor = _monitor(sock, HANDSHAKE_FAILED) if person is not None else None
+        except BaseException:
+            sock.close(0)
+            raise
+
+    def _release(self) -> None:
+        if self.sock is not None:
+            _close_monitor(self.sock, self._monitor)
+            self.sock.close(0)
+        if self._lsock is not None:
+            self._lsock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
     def _serve(self) -> None:
+        try:
+            if self.sock is not None:
+                self._serve_zmq(self.sock)
+            else:
+                _StoreTcp(self).serve()
+        finally:
+            self._release()
+
+    def _serve_zmq(self, sock: zmq.Socket[Any]) -> None:
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         monitor = self._monitor
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
         st = self.state
-        try:
-            while not self._stop:
-                nd = st.next_deadline()
-                timeout = None if nd is None else \
-                    min(max(0, int((nd - time.monotonic()) * 1000) + 1), MAX_POLL_MS)
-                events = dict(poller.poll(timeout))
-                if self._wake_rx in events:
-                    break
-                if monitor is not None and monitor in events:
-                    self.dropped += _handshakes_failed(monitor)
-                replies = st.expire(time.monotonic())
-                if self.sock in events:
-                    for _ in range(1000):
-                        try:
-                            frames = self.sock.recv_multipart(zmq.DONTWAIT)
-                        except zmq.Again:
-                            break
-                        if len(frames) < 2:
-                            self.dropped += 1
-                            continue
-                        peer = frames[0]
-                        body = frames[2:] if frames[1] == b"" else frames[1:]
-                        try:
-                            req = w.decode_store_request(body, self.key)
-                        except w.UnknownStoreOp as e:  # (a later version's call: refused)
-                            replies.append((peer, w.StoreReply(w.R_ERROR, e.req_id,
-                                                               (str(e).encode(),))))
-                            continue
-                        except WireError:  # malformed or unauthenticated: never answered
-                            self.dropped += 1
-                            continue
-                        replies += st.handle(peer, req, time.monotonic())
-                for peer, rep in replies:
+        while not self._stop:
+            events = dict(poller.poll(_poll_ms(st.next_deadline())))
+            if self._wake_r in events:
+                break
+            if monitor is not None and monitor in events:
+                self.dropped += _handshakes_failed(monitor)
+            replies = st.expire(time.monotonic())
+            if sock in events:
+                for _ in range(1000):
                     try:
-                        self.sock.send_multipart([peer, b"", *w.encode_store_reply(rep, self.key)],
-                                                 zmq.DONTWAIT)
-                    except zmq.ZMQError:
-                        st.forget_peer(peer)
-        finally:
-            _close_monitor(self.sock, monitor)
-            self.sock.close(0)
-            self._wake_rx.close(0)
+                        frames = sock.recv_multipart(zmq.DONTWAIT)
+                    except zmq.Again:
+                        break
+                    if len(frames) < 2:
+                        self.dropped += 1
+                        continue
+                    peer = frames[0]
+                    replies += self.answer(peer, frames[2:] if frames[1] == b"" else frames[1:])
+            for peer, rep in replies:
+                try:
+                    sock.send_multipart([peer, b"", *w.encode_store_reply(rep, self.key)],
+                                        zmq.DONTWAIT)
+                except zmq.ZMQError:
+                    st.forget_peer(peer)
+
+    def answer(self, peer: bytes, body: Sequence[Any]) -> list[tuple[bytes, Any]]:
+        """The replies to send now for a request of ``peer``, its frames ``body`` (none for
+        one malformed or unauthenticated, which is counted and never answered)."""
+        try:
+            req = w.decode_store_request(body, self.key)
+        except w.UnknownStoreOp as e:  # (a later version's call: refused)
+            return [(peer, w.StoreReply(w.R_ERROR, e.req_id, (str(e).encode(),)))]
+        except WireError:
+            self.dropped += 1
+            return []
+        return self.state.handle(peer, req, time.monotonic())
 
     def close(self) -> None:
         """Stop serving (idempotent; returns at once)."""
@@ -1282,14 +1522,8 @@ class StoreServer:
             return
         self._stop = True
         _released[(self.host, self.port)] = time.monotonic()
-        s = context().socket(zmq.PUSH)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(self._wake_addr)
-        try:
-            s.send(b"", zmq.DONTWAIT)
-        except zmq.ZMQError:
-            pass
-        s.close(0)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2.0)
 
@@ -1298,6 +1532,266 @@ class StoreServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# How long a ZeroMQ store gives a connection to complete its handshake (a peer without the
+# key never does).
+HANDSHAKE_IVL_MS = 5000
+# A TCP store's reads, and what it queues for one client at most (a client that takes none
+# of its replies is disconnected past it)
+STORE_READ = 65536
+STORE_OUT_MAX = w.STORE_MAX_FRAME * 2
+
+
+def _poll_ms(deadline: float | None) -> int | None:
+    """A poll's timeout, in ms, for a wait until ``deadline`` (None: no deadline)."""
+    if deadline is None:
+        return None
+    return min(max(0, int((deadline - time.monotonic()) * 1000) + 1), MAX_POLL_MS)
+
+
+def _keepalive(s: socket.socket) -> None:
+    """TCP keepalives on a store's connection: one whose client is gone without a word (a
+    host that went down) ends within about 25 s, not TCP's 2 hours (its client, back,
+    reconnects under its id, which a connection still open would keep)."""
+    with contextlib.suppress(OSError, AttributeError):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+def _interface_address(name: str) -> str:
+    """The IPv4 address of the interface ``name`` (what ZeroMQ binds for an interface's
+    name)."""
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            got = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                              struct.pack("256s", name.encode()[:15]))
+        except OSError as e:
+            raise StoreError(f"cannot bind the store on interface {name!r}: it has no IPv4 "
+                             f"address ({e.strerror or e})") from None
+    return socket.inet_ntoa(got[20:24])
+
+
+def _bind_os_error(e: OSError, what: str, addr: str) -> CtrlcommError:
+    if e.errno == errno.EADDRINUSE:
+        return _bind_error(zmq.ZMQError(zmq.EADDRINUSE), what, addr)
+    return CtrlcommError(f"cannot bind {what} on {addr}: {e.strerror or e}")
+
+
+class _StoreClientConn:
+    """One connection to a TCP store, as the store sees it."""
+
+    __slots__ = ("sock", "decoder", "peer", "out", "last", "closing")
+
+    def __init__(self, sock: socket.socket, decoder: w.StoreStreamDecoder) -> None:
+        self.sock = sock
+        self.decoder = decoder
+        self.peer: bytes | None = None  # the client's id, once its hello came
+        self.out = bytearray()
+        self.last = time.monotonic()
+        self.closing = False  # closed once what is queued is sent
+
+
+class _StoreTcp:
+    """A TCP store's loop (:class:`StoreServer`'s thread): connections accepted up to the
+    limit (the least recently active one closed for a new one), requests read within the
+    limits, each client's replies queued for it and sent as its socket takes them. A
+    client reconnecting (its hello names it) gets the replies of requests that waited."""
+
+    def __init__(self, server: StoreServer) -> None:
+        import selectors
+
+        self.server = server
+        self.limits = server.limits
+        self.sel = selectors.DefaultSelector()
+        self.conns: dict[int, _StoreClientConn] = {}
+        self.by_peer: dict[bytes, _StoreClientConn] = {}
+        self.READ, self.WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+
+    def serve(self) -> None:
+        server, st = self.server, self.server.state
+        assert server._lsock is not None
+        self.sel.register(server._lsock, self.READ, "accept")
+        self.sel.register(server._wake_r, self.READ, "wake")
+        try:
+            while not server._stop:
+                nd = st.next_deadline()
+                ms = _poll_ms(nd)
+                replies: list[tuple[bytes, Any]] = []
+                for key, ev in self.sel.select(None if ms is None else ms / 1000):
+                    if key.data == "wake":
+                        return
+                    if key.data == "accept":
+                        self._accept(server._lsock)
+                        continue
+                    c = self.conns.get(key.fd)
+                    if c is None:
+                        continue
+                    if ev & self.WRITE:
+                        self._flush(c)
+                    if ev & self.READ and key.fd in self.conns:
+                        replies += self._read(c)
+                replies += st.expire(time.monotonic())
+                for peer, rep in replies:
+                    c = self.by_peer.get(peer)
+                    if c is not None:  # (else gone: it asks again as it reconnects)
+                        self._send(c, w.store_stream_message(w.encode_store_reply(rep)))
+        finally:
+            for c in list(self.conns.values()):
+                self._close(c)
+            self.sel.close()
+
+    def _accept(self, ls: socket.socket) -> None:
+        for _ in range(64):
+            try:
+                s, _ = ls.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self.conns:
+                    self._close(self._idlest())  # (a descriptor for the next one)
+                    continue
+                return
+            if len(self.conns) >= self.limits.max_connections:
+                self.server.dropped += 1
+                self._close(self._idlest())
+            s.setblocking(False)
+            _keepalive(s)
+            c = _StoreClientConn(s, w.StoreStreamDecoder(self.limits.max_frames,
+                                                         w.STORE_MAX_FRAME * 2, self._room))
+            self.conns[s.fileno()] = c
+            self.sel.register(s, self.READ)
+
+    def _room(self) -> int:
+        """The largest frame a request may have now: a value the store could keep (a larger
+        one is dropped as it comes, never buffered, and refused: see StoreStreamDecoder)."""
+        st, lim = self.server.state, self.limits
+        return max(min(lim.max_value_bytes, lim.max_total_bytes - st.held), 4096 + 64)
+
+    def _skipped(self, peer: bytes, m: w.Skipped) -> list[tuple[bytes, Any]]:
+        """The reply to a request the decoder did not keep (its value too large now)."""
+        try:
+            _, _, _, req_id, _, _ = w.STORE_REQ.unpack(m.first)
+        except (struct.error, TypeError):
+            self.server.dropped += 1
+            return []
+        lim = self.limits
+        why = (f"a value of {m.size} bytes is over the store's max_value_bytes "
+               f"({lim.max_value_bytes})") if m.size > lim.max_value_bytes else \
+            (f"the store is full: it holds {self.server.state.held} bytes, and a value of "
+             f"{m.size} more would pass its max_total_bytes ({lim.max_total_bytes})")
+        return [(peer, w.StoreReply(w.R_ERROR, req_id, (why.encode(),)))]
+
+    def _idlest(self) -> _StoreClientConn:
+        """The connection to close for a new one: the least recently active, one without a
+        request waiting first (its client reconnects as it next asks)."""
+        waiting = {wt.peer for wt in self.server.state.waiters}
+        idle = [c for c in self.conns.values() if c.peer not in waiting]
+        return min(idle or self.conns.values(), key=lambda c: c.last)
+
+    def _read(self, c: _StoreClientConn) -> list[tuple[bytes, Any]]:
+        replies: list[tuple[bytes, Any]] = []
+        for _ in range(16):  # (a share, then the others' turn: the socket stays ready)
+            try:
+                data = c.sock.recv(STORE_READ)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._close(c)
+                break
+            if not data:
+                self._close(c)
+                break
+            c.last = time.monotonic()
+            if c.peer is None and not c.decoder.pending() and data[:1] == b"\xff":
+                # a ZeroMQ peer (a client with a key): told this store speaks ZMTP's NULL
+                # mechanism, then closed, so that it says the store has no key
+                self._send(c, NULL_GREETING)
+                c.closing = True
+                self._flush(c)
+                break
+            try:
+                msgs = c.decoder.feed(data)
+            except WireError:
+                self.server.dropped += 1
+                self._close(c)
+                break
+            for frames in msgs:
+                if isinstance(frames, w.Skipped):
+                    if c.peer is None:  # (a hello of megabytes: not a client of ours)
+                        self.server.dropped += 1
+                        self._close(c)
+                        return replies
+                    replies += self._skipped(c.peer, frames)
+                    continue
+                if c.peer is None:
+                    try:
+                        peer = w.store_hello_id(frames)
+                    except WireError:
+                        self.server.dropped += 1
+                        self._close(c)
+                        return replies
+                    if peer in self.by_peer:
+                        # a client's id, on a connection of its still open: not handed over
+                        # (whoever read the id off the wire would take its replies); the
+                        # client reconnects once its old connection is seen to end
+                        self.server.dropped += 1
+                        self._close(c)
+                        return replies
+                    c.peer = peer
+                    self.by_peer[peer] = c
+                    continue
+                replies += self.server.answer(c.peer, frames)
+            if c.decoder.error is not None:
+                self.server.dropped += 1
+                self._close(c)
+                break
+            if len(data) < STORE_READ:
+                break
+        return replies
+
+    def _send(self, c: _StoreClientConn, data: bytes) -> None:
+        if c.sock.fileno() < 0:
+            return
+        if len(c.out) + len(data) > STORE_OUT_MAX:
+            self.server.dropped += 1  # (it takes none of its replies)
+            self._close(c)
+            return
+        c.out += data
+        self._flush(c)
+
+    def _flush(self, c: _StoreClientConn) -> None:
+        if c.sock.fileno() < 0:
+            return
+        if c.out:
+            try:
+                n = c.sock.send(c.out)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                self._close(c)
+                return
+            del c.out[:n]
+        if c.out:
+            self.sel.modify(c.sock, self.READ | self.WRITE)
+        elif c.closing:
+            self._close(c)
+        else:
+            self.sel.modify(c.sock, self.READ)
+
+    def _close(self, c: _StoreClientConn) -> None:
+        fd = c.sock.fileno()
+        if fd >= 0:
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(c.sock)
+            self.conns.pop(fd, None)
+            c.sock.close()
+        if c.peer is not None and self.by_peer.get(c.peer) is c:
+            del self.by_peer[c.peer]
 
 
 # ------------------------------------------------------------------------------- TCP
@@ -1331,9 +1825,9 @@ class _Conn:
         self.rsize = READ_CHUNK  # bytes a read asks for (FLOOD_READ in a flood of small ones)
 
 
-_PREFIX2, _STREAM_MAGIC = w.PREFIX2, w.STREAM_MAGIC
 # the usual message's start, as TcpEndpoint.read_expected compares it
 _EXPRESS, _EXPRESS_SIZE, _EXPRESS_LEAD = w.EXPRESS.unpack_from, w.EXPRESS.size, w.EXPRESS_LEAD
+_EXPRESS_MAC_LEN, _MAC_SIZE, _MAC_OK = w.EXPRESS_MAC_LEN, w.MAC_SIZE, w.usual_mac_ok
 _HEAD, _MAGIC, _VERSION, _PICKLE = w.HEADER.pack, w.MAGIC, w.VERSION, w.PICKLE
 _EPOLLIN = select.EPOLLIN
 FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
@@ -1683,25 +2177,22 @@ class TcpEndpoint:
         """Queue a message for ``dst``; never waits for the peer."""
         self.send_many((dst,), frames)
 
-    def send_framed(self, dsts: Sequence[int], data: bytes) -> None:
-        """Queue ``data``, a message in the stream framing already (:func:`w.stream_message`),
-        for each of ``dsts``."""
-        self._send_to(dsts, [data], len(data))
+    def send_framed(self, dsts: Sequence[int], data: list[bytes]) -> None:
+        """Queue ``data[i]``, a message in the stream framing already
+        (:func:`w.stream_messages`), for ``dsts[i]``."""
+        if len(dsts) == 1:
+            self._send_to(dsts, data, len(data[0]))
+            return
+        for d, one in zip(dsts, data, strict=True):
+            self._send_to((d,), [one], len(one))
 
     def send_many(self, dsts: Sequence[int], frames: Sequence[Any]) -> None:
         """Queue one message for each of ``dsts`` (framed once)."""
-        if len(frames) == 2 and type(frames[1]) is bytes and type(frames[0]) is bytes \
-                and (b := len(frames[1])) < COPY_THRESHOLD:  # the usual: header and payload
-            head = frames[0]
-            one = _PREFIX2.pack(_STREAM_MAGIC, 2, len(head), b) + head + frames[1]
-            parts, total = [one], len(one)
-        else:
-            lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
-            prefix = w.stream_prefix_lens(lens)
-            total = sum(lens) + len(prefix)
-            # a small message goes as one buffer (cheaper to send and, queued, to keep)
-            parts = [prefix, *frames] if total >= COPY_THRESHOLD \
-                else [b"".join([prefix, *frames])]
+        lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
+        prefix = w.stream_prefix_lens(lens)
+        total = sum(lens) + len(prefix)
+        # a small message goes as one buffer (cheaper to send and, queued, to keep)
+        parts = [prefix, *frames] if total >= COPY_THRESHOLD else [b"".join([prefix, *frames])]
         self._send_to(dsts, parts, total)
 
     def _send_to(self, dsts: Sequence[int], parts: list[Any], total: int) -> None:
@@ -2055,7 +2546,8 @@ class TcpEndpoint:
         connection), handed that read to ``sink`` or lost the connection, and left the
         events from there on for drain."""
         conns = self.conns
-        buf = self._rbuf
+        buf, key, me = self._rbuf, self.key, self.me
+        assert key is not None  # (set by the core: every group has one)
         for i, (fd, ev) in enumerate(ready):
             c = conns.get(fd)
             # (a connection in error is dropped, out of conns, at once: no decoder here
@@ -2074,12 +2566,15 @@ class TcpEndpoint:
                 self._ready = ready[i + 1:] or None
                 return True
             if got >= _EXPRESS_SIZE:
-                lead, size, head = _EXPRESS(buf)
-                end = _EXPRESS_SIZE + size
-                if lead == _EXPRESS_LEAD and got >= end and \
-                        head == _HEAD(_MAGIC, _VERSION, kind, op, _PICKLE, 0, s, group_id,
-                                      seq, rnd, root, 0):
-                    raw[s] = buf[_EXPRESS_SIZE:end]  # (a copy: buf is read into again)
+                lead, size, mac_len, head = _EXPRESS(buf)
+                at = _EXPRESS_SIZE + size
+                end = at + _MAC_SIZE
+                if lead == _EXPRESS_LEAD and mac_len == _EXPRESS_MAC_LEN and got >= end and \
+                        head == _HEAD(_MAGIC, _VERSION, kind, op, _PICKLE, w.FLAG_MAC, s,
+                                      group_id, seq, rnd, root, 0) and \
+                        _MAC_OK(key, head, (payload := buf[_EXPRESS_SIZE:at]), buf[at:end],
+                                me):
+                    raw[s] = payload  # (a copy: buf is read into again)
                     del left[s]
                     if got == end:
                         continue
@@ -2477,10 +2972,11 @@ class Heartbeat:
     longer; a stopped, exited or hung one is lost (:meth:`running`).
 
     Datagram: group id (8 bytes), sender rank (4 bytes), beat number (8 bytes: 1, 2, 3...),
-    then, when the group has a key, a MAC of those and of the rank it is sent to (a forged
+    then a MAC, with the group's key, of those and of the rank it is sent to (a forged
     heartbeat could otherwise hide a dead peer). A beat whose number is not above the last
     one taken from its sender is dropped: a recorded heartbeat replayed, to its rank or to
-    another, cannot hide a stopped peer either.
+    another, cannot hide a stopped peer either. (``key`` may be given once the group is
+    formed, before :meth:`start`: the socket's port is part of the address a rank publishes.)
     """
 
     FMT = struct.Struct("<QIQ")
@@ -2505,14 +3001,14 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def _mac(self, body: bytes, dst: int) -> bytes:
-        assert self.key is not None
+        assert self.key, "a heartbeat's key is set before it starts"
         return hashlib.blake2b(b"hb" + body + struct.pack("<q", dst), key=self.key,
                                digest_size=16).digest()
 
     def datagram(self, dst: int, n: int) -> bytes:
         """Beat number ``n`` of this rank, for rank ``dst``."""
         body = self.FMT.pack(self.group_id, self.rank, n)
-        return body + self._mac(body, dst) if self.key else body
+        return body + self._mac(body, dst)
 
     def start(self, peers: dict[int, tuple[str, int]],
               procs: dict[int, tuple[int, int]] | None = None) -> None:
@@ -2564,7 +3060,7 @@ class Heartbeat:
 
     def _accept(self, data: bytes) -> None:
         n = self.FMT.size
-        if len(data) != n + (16 if self.key else 0):
+        if len(data) != n + 16:
             if data or not self._stop.is_set():  # (not close()'s wake-up)
                 self._drop("malformed")
             return
@@ -2572,7 +3068,7 @@ class Heartbeat:
         if gid != self.group_id or src not in self.peers:
             self._drop("other_group" if gid != self.group_id else "bad_src")
             return
-        if self.key and not hmac.compare_digest(self._mac(data[:n], self.rank), data[n:]):
+        if not hmac.compare_digest(self._mac(data[:n], self.rank), data[n:]):
             self._drop("unauthenticated")
             return
         if beat <= self.beats.get(src, 0):  # a replay (or one overtaken on the way)

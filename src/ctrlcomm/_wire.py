@@ -7,10 +7,11 @@ A group message is a list of frames (one ZeroMQ multipart message)::
 ``header`` is a fixed :data:`HEADER` struct (magic, version, kind, op, codec, flags, src,
 group id, seq, round/tag, root, number of out-of-band buffers). ``payload`` is the encoded
 object; large bytes-like parts of it travel as out-of-band frames (pickle protocol 5), so a
-1 MiB buffer is never copied into the pickle stream. With an authentication key the last frame
-is a MAC over every other frame and the rank the message is for, checked before anything is
+1 MiB buffer is never copied into the pickle stream. The last frame is a MAC, with the group's
+key, over every other frame and the rank the message is for, checked before anything is
 decoded: a genuine frame sent to one rank is refused by every other (the header names its
-sender, not its destination).
+sender, not its destination). A group's key is made at its formation (see
+``ctrlcomm._group``): every group has one.
 
 Store requests and replies have their own small headers (:data:`STORE_REQ`, :data:`STORE_REP`).
 
@@ -23,15 +24,16 @@ import hashlib
 import hmac
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ._errors import CodecError, WireError
 
 MAGIC = b"CC"
-VERSION = 3  # 2: FLAG_IMMUTABLE (a rank of version 1 drops such messages as malformed); 3: a
-# failed reduction carries the ranks it combined (a rank of version 2 cannot decode it)
+VERSION = 4  # 2: FLAG_IMMUTABLE (a rank of version 1 drops such messages as malformed); 3: a
+# failed reduction carries the ranks it combined (a rank of version 2 cannot decode it); 4:
+# every message carries a MAC (a group's key is made at formation, with or without auth_key)
 STORE_VERSION = 1  # the store's requests and replies (unchanged since 1)
 HEADER = struct.Struct("<2sBBBBHIQQqiH")
 
@@ -114,10 +116,23 @@ class Message(NamedTuple):
 _TO = struct.Struct("<2sq")  # what follows the frames in a MAC's input: b"to", the rank
 
 
+_keyed: dict[bytes, Any] = {}  # a keyed hash, for each key, to copy (cheaper than keying one)
+
+
+def _hash(key: bytes) -> Any:
+    """A new keyed hash of the MAC (BLAKE2b, 16 bytes) with ``key``."""
+    h = _keyed.get(key)
+    if h is None:
+        if len(_keyed) >= 256:  # (keys of groups long closed: made again where needed)
+            _keyed.clear()
+        h = _keyed[key] = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
+    return h.copy()
+
+
 def _mac_state(key: bytes, frames: Sequence[Any]) -> Any:
     """The MAC's hash over ``frames`` (each after its length: the input splits one way only);
     the destination comes after it (:func:`_mac`)."""
-    h = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
+    h = _hash(key)
     for f in frames:
         view = memoryview(f)
         h.update(struct.pack("<Q", view.nbytes))
@@ -530,6 +545,141 @@ def decode_store_reply(frames: Sequence[Any], key: bytes | None = None) -> Store
     return StoreReply(status, req_id, tuple(bytes(f) for f in frames[1:]))
 
 
+# --------------------------------------------------------- the store's stream (TCP)
+#
+# A store without a key serves its clients over plain TCP (a store with one, over ZeroMQ with
+# CurveZMQ: see ctrlcomm._transport). Each message, both ways: magic "CQ", u32 frame count,
+# u32 length per frame, then the frames. A client's first message is its hello: STORE_HELLO
+# and its id (16 bytes, random: what the store knows it by across reconnections). The
+# decoder enforces the store's limits (frames and bytes of one message) as bytes come, so
+# that no client makes it buffer more toward a message it would refuse.
+
+STORE_STREAM_MAGIC = b"CQ"
+_STORE_HEAD = struct.Struct("<2sI")
+STORE_HELLO = b"ctrlcomm-store-hello"
+STORE_ID_SIZE = 16
+
+
+def store_stream_message(frames: Sequence[bytes]) -> bytes:
+    """``frames`` (a store request or reply) framed for the store's stream."""
+    n = len(frames)
+    return b"".join([_STORE_HEAD.pack(STORE_STREAM_MAGIC, n),
+                     struct.pack(f"<{n}I", *map(len, frames)), *frames])
+
+
+def store_hello(client_id: bytes) -> bytes:
+    return store_stream_message([STORE_HELLO, client_id])
+
+
+def store_hello_id(frames: Sequence[bytes]) -> bytes:
+    """The client id of a hello; WireError if ``frames`` are not one."""
+    if len(frames) != 2 or frames[0] != STORE_HELLO or len(frames[1]) != STORE_ID_SIZE:
+        raise WireError("not a store hello")
+    return bytes(frames[1])
+
+
+class Skipped(NamedTuple):
+    """A message :class:`StoreStreamDecoder` did not keep, whose frame of ``size`` bytes
+    was larger than it took then (its bytes read and dropped as they came): its first
+    frame (a request's header, to answer it), if that was small enough to keep."""
+
+    first: bytes
+    size: int
+
+
+SKIP_KEEP = 256  # a skipped message's first frame is kept up to this size
+
+
+class StoreStreamDecoder:
+    """Incremental decoder of the store's stream: :meth:`feed` takes bytes as they come
+    and returns the messages completed. A message of more than ``max_frames`` frames or
+    ``max_bytes`` bytes, or anything not this framing, raises :class:`WireError` as soon as
+    its prefix says so (and so does every later call). A message with a frame larger than
+    ``room()`` says (a store's limits, now) is not kept: its bytes are dropped as they come,
+    and it is returned as :class:`Skipped`."""
+
+    def __init__(self, max_frames: int, max_bytes: int,
+                 room: Callable[[], int] | None = None) -> None:
+        self.max_frames, self.max_bytes, self.room = max_frames, max_bytes, room
+        self.buf = bytearray()
+        self._lens: tuple[int, ...] | None = None
+        self._need = 0
+        self._skip = 0  # bytes of a skipped message still to drop
+        self.error: WireError | None = None
+
+    def feed(self, data: bytes | memoryview) -> list[list[bytes] | Skipped]:
+        if self.error is not None:
+            raise self.error
+        if self._skip:
+            n = min(self._skip, len(data))
+            self._skip -= n
+            data = memoryview(data)[n:]
+        self.buf += data
+        out: list[list[bytes] | Skipped] = []
+        try:
+            self._parse(out)
+        except WireError as e:
+            self.error = e
+            if not out:
+                raise
+        return out
+
+    def _parse(self, out: list[list[bytes] | Skipped]) -> None:
+        buf, pos = self.buf, 0
+        while not self._skip:
+            if self._lens is None:
+                if len(buf) - pos < _STORE_HEAD.size:
+                    break
+                magic, n = _STORE_HEAD.unpack_from(buf, pos)
+                if magic != STORE_STREAM_MAGIC:
+                    raise WireError("not the store's stream")
+                if not 1 <= n <= self.max_frames:
+                    raise WireError(f"a store message of {n} frames (at most "
+                                    f"{self.max_frames})")
+                head = _STORE_HEAD.size + 4 * n
+                if len(buf) - pos < head:
+                    break
+                lens = struct.unpack_from(f"<{n}I", buf, pos + _STORE_HEAD.size)
+                if sum(lens) > self.max_bytes:
+                    raise WireError(f"a store message of {sum(lens)} bytes (at most "
+                                    f"{self.max_bytes})")
+                self._lens, self._need = lens, head
+                if self.room is not None and max(lens) > self.room():
+                    # not kept: its first frame (to answer it), the rest dropped as it comes
+                    keep = lens[0] if lens[0] <= SKIP_KEEP else 0
+                    if len(buf) - pos < head + keep:
+                        self._lens = None  # (read again once the first frame is in)
+                        break
+                    first = bytes(buf[pos + head:pos + head + keep])
+                    rest = head + sum(lens)
+                    have = min(len(buf) - pos, rest)
+                    out.append(Skipped(first, max(lens)))
+                    pos += have
+                    self._skip = rest - have
+                    self._lens = None
+                    continue
+            total = self._need + sum(self._lens)
+            if len(buf) - pos < total:
+                break
+            p = pos + self._need
+            frames = []
+            with memoryview(buf) as view:
+                for ln in self._lens:
+                    frames.append(bytes(view[p:p + ln]))
+                    p += ln
+            out.append(frames)
+            pos += total
+            self._lens = None
+        if pos == len(buf):
+            self.buf = bytearray()  # (not a large message's capacity, kept)
+        elif pos:
+            del buf[:pos]
+
+    def pending(self) -> int:
+        """Bytes buffered toward an incomplete message."""
+        return len(self.buf)
+
+
 # ------------------------------------------------------------------ stream framing (TCP)
 #
 # On a byte stream each message is: magic "CF", u16 frame count, u64 length per frame, then
@@ -547,32 +697,67 @@ def stream_prefix(frames: Sequence[Any]) -> bytes:
 
 
 _PREFIX = {n: struct.Struct(f"<2sH{n}Q") for n in range(1, 5)}
-PREFIX2 = _PREFIX[2]  # the prefix of the usual message: header and payload
-# that prefix and the header, read in one go by StreamDecoder.messages
-_FAST2 = struct.Struct(PREFIX2.format + HEADER.format[1:])
+# The usual message: header, payload and MAC (no out-of-band buffers). Its stream prefix
+# and header, packed and read in one go (stream_messages, StreamDecoder.messages)
+_USUAL = _PREFIX[3]
+_FAST3 = struct.Struct(_USUAL.format + HEADER.format[1:])
 _new_tuple = tuple.__new__
-# _FAST2 read with its constant parts as bytes: the stream prefix but the payload's length
-# (magic, 2 frames, the header's size), and the header's magic and version
-_FASTR = struct.Struct("<12sQ3s" + HEADER.format[4:])
+# _FAST3 read with its constant parts as bytes: the prefix's magic, frame count and header
+# length; the payload's length; the MAC's length; the header's magic and version
+_FASTR = struct.Struct("<12sQ8s3s" + HEADER.format[4:])
 _FSIZE = _FASTR.size
 _PREFIX_MAX = STREAM_HEAD.size + 8 * MAX_FRAMES  # the longest stream prefix
-_LEAD = struct.pack("<2sHQ", STREAM_MAGIC, 2, HEADER.size)
+_LEAD = struct.pack("<2sHQ", STREAM_MAGIC, 3, HEADER.size)
+_MAC_LEN = struct.pack("<Q", MAC_SIZE)
+_HEADER_LEN = struct.pack("<Q", HEADER.size)
+_U64 = struct.Struct("<Q").pack
 _MV = struct.pack("<2sB", MAGIC, VERSION)
-assert _FAST2.size == _FSIZE and HEADER.format.startswith("<2sB")
+assert _FAST3.size == _FSIZE and HEADER.format.startswith("<2sB")
 # the start of a read that begins with a usual message, split where
-# TcpEndpoint.read_expected compares it: (the stream prefix but the payload's length, the
-# payload's length, the header)
-EXPRESS = struct.Struct(f"<12sQ{HEADER.size}s")
+# TcpEndpoint.read_expected compares it: (the stream prefix but the lengths of payload and
+# MAC, the payload's length, the MAC's, the header)
+EXPRESS = struct.Struct(f"<12sQ8s{HEADER.size}s")
 EXPRESS_LEAD = _LEAD
+EXPRESS_MAC_LEN = _MAC_LEN
 
 
-def stream_message(kind: int, src: int, group_id: int, seq: int, rnd: int, op: int, root: int,
-                   codec: int, payload: bytes) -> bytes:
-    """A message without buffers or MAC (the usual one) in the stream framing, in one piece:
-    the bytes of :func:`stream_prefix` and :func:`frames` joined, built with one pack. It is
-    what :meth:`StreamDecoder.messages` reads in one go."""
-    return _FAST2.pack(STREAM_MAGIC, 2, HEADER.size, len(payload), MAGIC, VERSION, kind, op,
-                       codec, 0, src, group_id, seq, rnd, root, 0) + payload
+def _usual_hash(key: bytes, header: Any, payload: Any) -> Any:
+    """The MAC's hash of the usual message (``header``, ``payload``), as :func:`_mac_state`
+    makes it of those two frames, before its destination."""
+    h = _hash(key)
+    h.update(_HEADER_LEN)
+    h.update(header)
+    h.update(_U64(len(payload)))
+    h.update(payload)
+    return h
+
+
+def usual_mac_ok(key: bytes, header: Any, payload: Any, mac: Any, dst: int) -> bool:
+    """Whether ``mac`` is the MAC, for rank ``dst``, of the usual message (``header``,
+    ``payload``): :func:`decode`'s check, for a reader that takes such a message apart
+    from the decoder (TcpEndpoint.read_expected)."""
+    h = _usual_hash(key, header, payload)
+    h.update(_TO.pack(b"to", dst))
+    return hmac.compare_digest(h.digest(), mac)
+
+
+def stream_messages(dsts: Sequence[int], kind: int, src: int, group_id: int, seq: int,
+                    rnd: int, op: int, root: int, codec: int, payload: bytes,
+                    key: bytes) -> list[bytes]:
+    """The usual message (no out-of-band buffers) in the stream framing, in one piece for
+    each of ``dsts`` (each with its MAC): the bytes of :func:`stream_prefix` and
+    :func:`frames_for`'s frames joined, the header packed once, the MAC's hash over it and
+    the payload made once. What :meth:`StreamDecoder.messages` reads in one go."""
+    head = _FAST3.pack(STREAM_MAGIC, 3, HEADER.size, len(payload), MAC_SIZE, MAGIC, VERSION,
+                       kind, op, codec, FLAG_MAC, src, group_id, seq, rnd, root, 0)
+    body = head + payload
+    h = _usual_hash(key, head[_USUAL.size:], payload)
+    out = []
+    for d in dsts:
+        hd = h.copy()
+        hd.update(_TO.pack(b"to", d))
+        out.append(body + hd.digest())
+    return out
 
 
 def stream_prefix_lens(lens: Sequence[int]) -> bytes:
@@ -631,11 +816,11 @@ class StreamDecoder:
         errors as :meth:`feed`. (``buf`` is a receive buffer: nothing returned refers to it.)
 
         The same as ``[decode_or_none(f, key, dst) for f in feed(buf[:end])]``, in one pass for
-        the usual case: whole unauthenticated two-frame messages. A message that a read cuts
-        (every full read of a stream of small messages ends inside one) is kept, and the next
-        read completes it the general way, then goes on in one pass; anything unusual goes
-        the general way from where it starts."""
-        if key is not None or self.error is not None:
+        the usual case: whole usual messages (header, payload, MAC). A message that a read
+        cuts (every full read of a stream of small messages ends inside one) is kept, and the
+        next read completes it the general way, then goes on in one pass; anything unusual
+        goes the general way from where it starts."""
+        if key is None or self.error is not None:
             with memoryview(buf) as view:
                 return [decode_or_none(f, key, dst) for f in self.feed(view[:end])]
         pos = 0
@@ -646,18 +831,32 @@ class StreamDecoder:
                 out = [decode_or_none(f, key, dst) for f in self.feed(view[:pos])]
             if pos == end or self.error is not None or self.buf:
                 return out
-        hmax = self.max_message - HEADER.size
+        hmax = self.max_message - HEADER.size - MAC_SIZE
+        to = _TO.pack(b"to", dst)
+        keyed = _hash(key)
+        keyed.update(_HEADER_LEN)
+        at = _USUAL.size
         while end - pos >= _FSIZE:
-            lead, b, mv, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf = \
+            lead, b, ml, mv, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf = \
                 _FASTR.unpack_from(buf, pos)
             p = pos + _FSIZE
-            nxt = p + b
-            if nxt > end or lead != _LEAD or b > hmax or mv != _MV or kind not in KINDS \
-                    or codec not in CODECS or flags or nbuf:
+            q = p + b
+            nxt = q + MAC_SIZE
+            if nxt > end or lead != _LEAD or ml != _MAC_LEN or b > hmax or mv != _MV \
+                    or kind not in KINDS or codec not in CODECS or flags != FLAG_MAC or nbuf:
                 break  # cut by the read, or not the usual message: the general way
-            # tuple.__new__: a Message without its Python-level __new__ (one per message)
-            out.append(_new_tuple(Message, (kind, src, gid, seq, rnd, op, root, codec,
-                                            buf[p:nxt], ())))  # a copy of the payload
+            payload = buf[p:q]  # (a copy)
+            h = keyed.copy()  # (_usual_hash, inline)
+            h.update(buf[pos + at:p])
+            h.update(_U64(b))
+            h.update(payload)
+            h.update(to)
+            if hmac.compare_digest(h.digest(), buf[q:nxt]):
+                # tuple.__new__: a Message without its Python-level __new__ (one per message)
+                out.append(_new_tuple(Message, (kind, src, gid, seq, rnd, op, root, codec,
+                                                payload, ())))
+            else:
+                out.append(None)  # (or one made for another rank)
             pos = nxt
         if pos == end:
             return out
@@ -698,18 +897,20 @@ class StreamDecoder:
         end = view.nbytes
         pos = 0
         out = []
-        p2 = PREFIX2
+        p3 = _USUAL
         while pos < end:
             if end - pos < STREAM_HEAD.size:
                 return None
-            if end - pos >= p2.size:  # the usual message: header and payload
-                magic, n, a, b = p2.unpack_from(view, pos)
-                if magic == STREAM_MAGIC and n == 2:
-                    p = pos + p2.size
-                    if p + a + b > end or a + b > self.max_message:
+            if end - pos >= p3.size:  # the usual message: header, payload and MAC
+                magic, n, a, b, c = p3.unpack_from(view, pos)
+                if magic == STREAM_MAGIC and n == 3:
+                    p = pos + p3.size
+                    if p + a + b + c > end or a + b + c > self.max_message:
                         return None
-                    out.append([bytes(view[p : p + a]), bytes(view[p + a : p + a + b])])
-                    pos = p + a + b
+                    header = bytes(view[p : p + a])
+                    out.append([header, bytes(view[p + a : p + a + b]),
+                                _buffer_type(header)(view[p + a + b : p + a + b + c])])
+                    pos = p + a + b + c
                     continue
             magic, n = STREAM_HEAD.unpack_from(view, pos)
             if magic != STREAM_MAGIC or not 1 <= n <= MAX_FRAMES:

@@ -38,7 +38,7 @@ def authed_group(g):
                                     b"\x80\x05K\x01."))
         genuine = w.encode(w.Message(w.P2P, 1, gid, 1, 0, 0, w.NO_ROOT, w.PICKLE,
                                      b"\x80\x05\x95\x06\x00\x00\x00\x00\x00\x00\x00\x8c\x02ok\x94."),
-                           key=KEY.encode(), dst=0)
+                           key=g._core.key, dst=0)
         with socket.create_connection((host, int(port))) as s:
             for frames in (forged, unauth, genuine):
                 s.sendall(w.stream_prefix(frames) + b"".join(frames))
@@ -79,11 +79,11 @@ def frame_for_another_rank(g):
             for n in (1, 2):
                 frames = w.encode(w.Message(w.P2P, 1, gid, n, 0, 0, w.NO_ROOT, w.PICKLE,
                                             pickle.dumps(f"for rank 2 only #{n}")),
-                                  key=KEY.encode(), dst=2)
+                                  key=g._core.key, dst=2)
                 s.sendall(w.stream_prefix(frames) + b"".join(frames))
             coll = w.encode(w.Message(w.COLL, 1, gid, g._core.seq, 0, w.OP_CODE["broadcast"], 1,
                                       w.PICKLE, pickle.dumps("a broadcast for rank 2")),
-                            key=KEY.encode(), dst=2)
+                            key=g._core.key, dst=2)
             s.sendall(w.stream_prefix(coll) + b"".join(coll))
             time.sleep(0.3)
         g.send("genuine 1", 0)
@@ -389,7 +389,7 @@ def pickle_into_msgpack_group(g, marker):
         payload = pickle.dumps(_OpensAFile(marker), protocol=5)
         core.ep.send(0, w.encode(w.Message(w.COLL, 1, core.group_id, core.seq, 0,
                                            w.OP_CODE["all_gather"], w.NO_ROOT, w.PICKLE,
-                                           payload)))
+                                           payload), core.key, 0))
         try:
             g.recv(0, timeout=20)  # until rank 0 is done and tells it, or closes the group
         except ctrlcomm.GroupBrokenError:
@@ -409,11 +409,15 @@ def test_data_only_group_never_unpickles_whatever_the_header_says(tmp_path):
     assert "rank 1" in out[0] and "never unpickles" in out[0]
 
 
-def test_binding_every_interface_without_key_warns(caplog):
+def test_binding_every_interface_without_key_warns(caplog, monkeypatch):
+    from ctrlcomm import _transport
+
+    monkeypatch.setattr(_transport, "_warned_unkeyed", False)  # (said once per process)
     with caplog.at_level(logging.WARNING, logger="ctrlcomm"), \
             ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, bind_host="0.0.0.0") as g:
         assert g.all_reduce(1) == 1
-    assert any("every interface" in r.message for r in caplog.records)
+    assert any("binds 0.0.0.0" in r.getMessage() and "without an auth_key" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_default_bind_is_the_interface_to_the_store_not_every_interface():
@@ -648,14 +652,13 @@ def _zmtp_null_connect(port, kind=b"DEALER"):
 
 
 def test_a_store_drops_a_connection_that_declares_a_frame_longer_than_a_request_takes():
-    """(Before: the store's socket took frames of any length: one connection sending a frame
-    declared 8 GiB made the store's process buffer all it sent, 1 GiB in the reviewer's
-    run, toward a request it would drop.) A value over the limit is refused by the client
-    before it is sent. (A store without a key: one with a key refuses such a peer at its
-    handshake, below.)"""
+    """A connection declaring a frame of 4 GiB is closed at once, nothing buffered toward
+    it (one that made the store buffer all it sent would grow it without bound). A value
+    over the limit is refused by the client before it is sent. (A store without a key: one
+    with a key refuses such a peer at its handshake, below.)"""
     with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
-        s = _zmtp_null_connect(srv.port)
-        s.sendall(b"\x03" + struct.pack(">Q", 8 << 30))  # (MORE, LONG: 8 GiB follow)
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(w.store_hello(os.urandom(16)) + struct.pack("<2sII", b"CQ", 1, 2**32 - 1))
         closed, chunk = False, b"\x00" * (1 << 16)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not closed:
@@ -719,7 +722,10 @@ def test_a_keyed_store_refuses_a_zeromq_peer_without_the_key_at_its_handshake():
         c.close()
         wrong.close()
     with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
-        assert not _zmtp_null_refused(srv.port)
+        # a store without a key speaks its own framing: a ZeroMQ peer is told the store's
+        # mechanism (NULL), then closed
+        assert _zmtp_mechanism("127.0.0.1", srv.port, 5) == b"NULL"
+        assert _zmtp_null_refused(srv.port)
         # a keyed client of a store without a key is told so, not left to its deadline
         # (its handshake fails unanswered; the store's greeting names its mechanism)
         keyed = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key=KEY, timeout=30)
@@ -861,36 +867,28 @@ def test_a_client_that_makes_a_new_socket_is_answered_at_once_and_its_resend_is_
         c.close()
 
 
-def test_a_peer_with_a_clients_routing_id_cannot_take_its_connection_over():
-    """A store without a key does not hand a routing id over to a new connection: a peer
-    that read a client's id off the wire (its NULL handshake sends it in clear) gets
-    nothing of it, and the client is answered. (Found in review: with the handover set on
-    every store, such a peer took a waiting get's reply, and the client timed out for
-    good.)"""
-    import zmq
-
+def test_a_peer_with_a_clients_id_cannot_take_its_connection_over():
+    """A store without a key does not hand a client's id over to a new connection while
+    the client's is open: a peer that read the id off the wire (its hello sends it in
+    clear) is closed, gets nothing of it, and the client is answered."""
     with ctrlcomm.StoreServer("127.0.0.1", 0) as srv:
         c = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=10)
         c.set("a", "1")
-        rid = c._conn.sock.getsockopt(zmq.ROUTING_ID)
-        ctx = zmq.Context()
-        thief = ctx.socket(zmq.DEALER)
-        thief.setsockopt(zmq.LINGER, 0)
-        thief.setsockopt(zmq.ROUTING_ID, rid)
-        thief.connect(f"tcp://127.0.0.1:{srv.port}")
+        thief = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
         try:
+            thief.sendall(w.store_hello(c._conn._id))
             time.sleep(0.5)
             other = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=10)
             late = threading.Timer(0.5, lambda: other.set("late", "secret"))
             late.start()
             assert c.get("late") == b"secret"
             late.join()
-            assert not thief.poll(500)  # (the thief got no reply)
+            thief.settimeout(2)
+            assert thief.recv(100) == b""  # (closed; the thief got no reply)
             assert c.get("a") == b"1"
             other.close()
         finally:
-            thief.close(0)
-            ctx.term()
+            thief.close()
             c.close()
 
 

@@ -12,9 +12,11 @@ def junk_then_work(g):
         addr = g._core.ep.peers[0]
         host, port = addr[len("tcp://"):].rsplit(":", 1)
         good = w.Message(w.COLL, 1, g._core.group_id, 0, 0, 7, w.NO_ROOT, w.PICKLE, b"x")
+        key = g._core.key  # (MACed as this group's: what is dropped is dropped for the rest)
         frames_list = [
-            w.encode(w.Message(w.COLL, 1, 12345, 0, 0, 7, w.NO_ROOT, w.PICKLE, b"x")),  # group
-            [bytes(f) for f in w.encode(good)],
+            w.encode(w.Message(w.COLL, 1, 12345, 0, 0, 7, w.NO_ROOT, w.PICKLE, b"x"), key,
+                     0),  # another group's
+            [bytes(f) for f in w.encode(good, key, 0)],
         ]
         head = bytearray(frames_list[1][0])
         head[2] = 77  # version

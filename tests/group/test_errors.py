@@ -1411,23 +1411,24 @@ def test_a_rank_whose_store_died_says_so_within_its_bound():
     assert took < 3.0 + 1.5 + 0.4, took
 
 
-def joins_then_dies(rank, size, port):
+def joins_then_dies(rank, size, port, flag):
     """World 3 on a store of the test's: rank 2 dies as soon as its key is in the store
     (it joined, and never reads the address table); rank 1 comes after that."""
     import os
+    import pathlib
     import signal
 
-    c = ctrlcomm.StoreClient("127.0.0.1", port, timeout=20, prefix="ctrlcomm/split/")
-
-    def joined() -> None:
-        while not c.check(["ctrlcomm:formation/rank/2"]):
-            time.sleep(0.01)
+    from ctrlcomm import _group
 
     if rank == 2:
-        threading.Thread(target=lambda: (joined(), os.kill(os.getpid(), signal.SIGKILL)),
-                         daemon=True).start()
+        def die(*args, **kwargs):  # (what a rank does once its key is set)
+            pathlib.Path(flag).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        _group._join = die
     elif rank == 1:
-        joined()
+        while not os.path.exists(flag):
+            time.sleep(0.01)
         time.sleep(0.5)  # (rank 2 is gone by then)
     t = time.monotonic()
     try:
@@ -1439,13 +1440,14 @@ def joins_then_dies(rank, size, port):
     return "formed"
 
 
-def test_a_rank_that_joined_and_died_fails_the_formation_on_every_rank(store):
+def test_a_rank_that_joined_and_died_fails_the_formation_on_every_rank(store, tmp_path):
     """(Found in review: rank 1 had read the address table and returned a group while rank
     0's formation timed out, waiting for rank 2 to read it; rank 1's first call then failed
     at liveness, blaming rank 0, "rank 0 stopped answering heartbeats", alive, and not
     rank 2. Now the ranks settle the formation in one value of the store: both fail, at rank
     0's deadline, naming rank 2.)"""
-    res = run_ranks(joins_then_dies, 3, store.port, may_die=(2,), timeout=60)
+    res = run_ranks(joins_then_dies, 3, store.port, str(tmp_path / "joined"), may_die=(2,),
+                    timeout=60)
     for r in (0, 1):
         kind, text, took = res[r]
         assert kind == "FormationTimeoutError", res
@@ -2130,7 +2132,9 @@ def test_a_stale_address_table_times_out_as_a_timeout():
         c = ctrlcomm.StoreClient("127.0.0.1", srv.port, timeout=5, prefix="ctrlcomm/stale/")
         try:
             f = "ctrlcomm:formation/"
-            c.set(f + "rank/0", f"tcp://127.0.0.1:9 9 ws:2 codec:pickle tr:tcp wire:{_wire.VERSION}")
+            # (a rank 0 that joined, published and was gone: its client, joined)
+            c.set_if_absent(f + "rank/0",
+                            f"tcp://127.0.0.1:9 9 ws:2 codec:pickle tr:tcp wire:{_wire.VERSION}")
             c.set(f + "table", "00ff\ntcp://127.0.0.1:9 9\ntcp://127.0.0.1:10 10")
             with pytest.raises(ctrlcomm.FormationTimeoutError, match="does not hold this rank's"):
                 ctrlcomm.Group.create("127.0.0.1", srv.port, 1, 2, name="stale", timeout=1.5,

@@ -24,7 +24,7 @@ class RecordingEndpoint:
     def send(self, dst, frames):
         if self.closed:
             raise OSError("closed")
-        self.log.append((w.decode(frames).kind, dst))
+        self.log.append((w.decode(frames, b"k" * 32, dst).kind, dst))
         hook, self.during_first_send = self.during_first_send, None
         if hook is not None:
             hook()  # (a signal handler, run in the middle of the send)
@@ -49,7 +49,7 @@ def test_a_close_asked_while_this_thread_sends_an_abort_of_an_idle_group_waits_f
         core.close()
 
     ep = RecordingEndpoint(close)
-    core = Core(name="g", rank=0, size=3, group_id=7, endpoint=ep, codec=w.PICKLE, key=None,
+    core = Core(name="g", rank=0, size=3, group_id=7, endpoint=ep, codec=w.PICKLE, key=b"k" * 32,
                 timeout=5.0)
     core.enter("recv")  # (a call made and ended in this thread before: it held the group)
     core.leave()

@@ -61,7 +61,7 @@ class ScriptedEndpoint:
 
 def group(rank, size, endpoint):
     core = Core(name="g", rank=rank, size=size, group_id=GID, endpoint=endpoint,
-                codec=w.PICKLE, key=None, timeout=5.0)
+                codec=w.PICKLE, key=b"k" * 32, timeout=5.0)
     g = Group.__new__(Group)
     g._core = core
     return g
@@ -142,7 +142,7 @@ class ProbedEndpoint(ScriptedEndpoint):
         self.asked = []
 
     def send(self, dst, frames):
-        m = w.decode(frames)
+        m = w.decode(frames, b"k" * 32, dst)
         if m.kind == w.STATUS_REQ:
             self.answers_due = getattr(self, "answers_due", []) + \
                 self.answers.pop(len(self.asked), [])

@@ -8,7 +8,7 @@ def test_all_is_pinned():
         "GroupBrokenError", "GroupClosedError", "InvalidArgumentError", "MismatchError",
         "MismatchTimeoutError",
         "OperandError", "PeerLostError", "ReductionError", "StatelessProcessGroup", "StoreClient",
-        "StoreError", "StoreQueueEmptyError", "StoreServer", "StoreTimeoutError", "__version__",
+        "StoreError", "StoreLimits", "StoreQueueEmptyError", "StoreServer", "StoreTimeoutError", "__version__",
     ])
     for name in ctrlcomm.__all__:
         assert hasattr(ctrlcomm, name)

@@ -143,3 +143,131 @@ def test_check_and_a_parked_wait_see_a_queue_that_holds_values_as_tcpstores_do()
     assert s.handle(b"c", req(w.S_GET, [b"q"], rid=5), 1.0)[0][1].values == (b"",)
     s.handle(b"c", req(w.S_QUEUE_POP, [b"q"], rid=6), 1.0)
     assert s.handle(b"c", req(w.S_CHECK, [b"q"], rid=7), 1.0)[0][1].values == (b"0",)
+
+
+# ------------------------------------------------------------------ formation and limits
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ctrlcomm._store import StoreLimits, _formation  # noqa: E402
+
+NS = b"ctrlcomm/g/ctrlcomm:formation/"
+
+
+def ok(reply):
+    (_, rep), *_ = reply
+    return rep.status == w.R_OK
+
+
+def join(s, peer, rank, address=b"addr"):
+    return s.handle(peer, req(w.S_CAS, [NS + b"rank/%d" % rank], [b"1", b"", address]), 0)
+
+
+def test_only_the_ranks_that_joined_read_or_change_a_formation():
+    s = StoreState()
+    assert ok(join(s, b"r0", 0)) and ok(join(s, b"r1", 1))
+    assert ok(s.handle(b"r0", req(w.S_SET, [NS + b"table"], [b"nonce secret\na\nb"]), 0))
+    for op, keys, values in ((w.S_GET, [NS + b"table"], ()), (w.S_WAIT, [NS + b"table"], ()),
+                             (w.S_CHECK, [NS + b"table"], ()),
+                             (w.S_SET, [NS + b"table"], [b"forged"]),
+                             (w.S_ADD, [NS + b"acks/x"], [b"1"]),
+                             (w.S_DELETE, [NS + b"rank/0"], ())):
+        (_, rep), = s.handle(b"stranger", req(op, keys, values, timeout=5), 0)
+        assert rep.status == w.R_ERROR and b"has not joined" in rep.values[0], (op, rep)
+    # a member reads all of it, changes its own rank's key only
+    assert s.handle(b"r1", req(w.S_GET, [NS + b"table", NS + b"rank/0"]), 0)[0][1].values \
+        == (b"nonce secret\na\nb", b"addr")
+    for op, key, values in ((w.S_DELETE, b"rank/0", ()), (w.S_SET, b"table", [b"x"]),
+                            (w.S_SET, b"secret/0", [b"x"]), (w.S_GET, b"secret/0", ())):
+        (_, rep), = s.handle(b"r1", req(op, [NS + key], values), 0)
+        assert rep.status == w.R_ERROR and b"not this client's" in rep.values[0], key
+    # the secrets: rank 0 writes each; rank r reads its own only
+    assert ok(s.handle(b"r0", req(w.S_SET, [NS + b"secret/1"], [b"s1"]), 0))
+    assert s.handle(b"r1", req(w.S_GET, [NS + b"secret/1"]), 0)[0][1].values == (b"s1",)
+    assert ok(join(s, b"x", 7))  # (a rank the group does not have: a member, and no more)
+    (_, rep), = s.handle(b"x", req(w.S_GET, [NS + b"secret/1"], timeout=1), 0)
+    assert rep.status == w.R_ERROR
+    assert ok(s.handle(b"x", req(w.S_DELETE, [NS + b"rank/7"]), 0))
+    assert ok(s.handle(b"r1", req(w.S_DELETE, [NS + b"secret/1"]), 0))
+    # list_keys and delete_prefix pass over what the client may not touch
+    (listed,) = s.handle(b"stranger", req(w.S_LIST_KEYS, [b""]), 0)[0][1].values
+    assert listed == b""
+    assert s.handle(b"stranger", req(w.S_DELETE_PREFIX, [b""]), 0)[0][1].values == (b"0",)
+    assert s.handle(b"r1", req(w.S_DELETE_PREFIX, [NS]), 0)[0][1].values == (b"1",)  # (its key)
+    # a rank's key taken already: the latecomer is not a member (and is told who holds it)
+    (_, rep), = join(s, b"late", 0, b"other")
+    assert rep.status == w.R_CAS_FAIL and rep.values == (b"addr",)
+    (_, rep), = s.handle(b"late", req(w.S_GET, [NS + b"rank/1"]), 0)
+    assert rep.status == w.R_ERROR
+    # the formation's last key gone: who had joined it is forgotten
+    assert ok(s.handle(b"r0", req(w.S_DELETE, [NS + b"table", NS + b"rank/0"]), 0))
+    assert s.members == {} and s.owners == {} and s.formation_keys == {}
+    assert ok(join(s, b"next", 0))  # (the next formation of that name)
+
+
+def test_a_write_past_a_limit_is_refused_naming_it_and_the_store_goes_on():
+    s = StoreState(StoreLimits(max_value_bytes=100, max_total_bytes=1000, max_keys=5,
+                               max_waiters=2))
+    for k, v, why in ((b"big", b"x" * 101, b"max_value_bytes"),):
+        (_, rep), = s.handle(b"p", req(w.S_SET, [k], [v]), 0)
+        assert rep.status == w.R_ERROR and why in rep.values[0]
+    for i in range(9):
+        s.handle(b"p", req(w.S_SET, [b"k%d" % i], [b"x" * 100]), 0)
+    assert len(s.data) == 5 and s.held <= 1000
+    (_, rep), = s.handle(b"p", req(w.S_QUEUE_PUSH, [b"q"], [b"v"]), 0)
+    assert rep.status == w.R_ERROR and b"max_keys" in rep.values[0]
+    assert ok(s.handle(b"p", req(w.S_DELETE, [b"k0", b"k1", b"k2", b"k3"]), 0))
+    (_, rep), = s.handle(b"p", req(w.S_SET, [b"k"], [b"x" * 100]), 0)
+    assert rep.status == w.R_OK
+    assert s.handle(b"a", req(w.S_GET, [b"never"], timeout=9), 0) == []
+    assert s.handle(b"b", req(w.S_GET, [b"never"], timeout=9), 0) == []
+    (_, rep), = s.handle(b"c", req(w.S_GET, [b"never"], timeout=9), 0)
+    assert rep.status == w.R_ERROR and b"max_waiters" in rep.values[0]
+    # a client's new request takes the place of its own that waits
+    assert s.handle(b"a", req(w.S_WAIT, [b"never2"], timeout=9), 0) == []
+    assert len(s.waiters) == 2
+
+
+def _held(s):
+    return (sum(len(k) + len(v) for k, v in s.data.items())
+            + sum(len(k) + sum(map(len, q)) for k, q in s.queues.items())
+            + sum(wt.size for wt in s.waiters))
+
+
+_peers = st.sampled_from([b"r0", b"r1", b"x"])
+_keys = st.sampled_from([b"a", b"b", NS + b"rank/0", NS + b"rank/1", NS + b"table", b"q"])
+_ops = st.tuples(_peers, st.sampled_from([w.S_SET, w.S_GET, w.S_ADD, w.S_CAS, w.S_DELETE,
+                                          w.S_WAIT, w.S_QUEUE_PUSH, w.S_QUEUE_POP,
+                                          w.S_DELETE_PREFIX, w.S_CHECK]),
+                 _keys, st.binary(max_size=40), st.booleans(), st.floats(0, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ops, max_size=40))
+def test_the_store_never_holds_past_its_limits_nor_shows_a_formation_to_a_stranger(ops):
+    lim = StoreLimits(max_value_bytes=30, max_total_bytes=200, max_keys=4, max_waiters=3)
+    s = StoreState(lim)
+    now = 0.0
+    for i, (peer, op, key, value, absent, dt) in enumerate(ops):
+        now += dt
+        values = {w.S_SET: [value], w.S_ADD: [b"1"], w.S_QUEUE_PUSH: [value],
+                  w.S_CAS: [b"1" if absent else b"0", b"", value]}.get(op, [])
+        keys = [key[:1] if op == w.S_DELETE_PREFIX else key]
+        out = s.handle(peer, req(op, keys, values, timeout=1.0, rid=i), now) + s.expire(now)
+        for who, rep in out:
+            f = _formation(keys[0])
+            if who == peer and f is not None and rep.status == w.R_OK and op == w.S_GET:
+                assert peer in s.members.get(f[0], ()), (peer, keys)
+        assert s.held == _held(s) <= lim.max_total_bytes
+        assert len(s.data) + s.queued <= lim.max_keys and len(s.waiters) <= lim.max_waiters
+        for k, owner in s.owners.items():
+            assert k in s.data and owner in s.members[_formation(k)[0]]
+
+
+def test_limits_are_checked():
+    for bad in (dict(max_keys=0), dict(max_total_bytes=-1), dict(max_connections=1.5),
+                dict(max_value_bytes=w.STORE_MAX_VALUE + 1)):
+        with pytest.raises(ValueError, match="StoreLimits"):
+            StoreLimits(**bad)

@@ -27,7 +27,7 @@ def test_sends_queued_behind_a_full_socket_keep_their_order_and_go_straight_agai
     peer = None
     try:
         ep.set_peers({1: f"tcp://127.0.0.1:{srv.getsockname()[1]}"})
-        ep.send_framed([1], struct.pack("<I", 0) + b"x" * (size - 4))
+        ep.send_framed([1], [struct.pack("<I", 0) + b"x" * (size - 4)])
         peer, _ = srv.accept()
         deadline = time.monotonic() + 10
         while ep.unflushed and time.monotonic() < deadline:  # connected, first one sent
@@ -35,7 +35,7 @@ def test_sends_queued_behind_a_full_socket_keep_their_order_and_go_straight_agai
             ep.drain(lambda m: None)
         assert 1 in ep.direct
         for i in range(1, count):
-            ep.send_framed([1], struct.pack("<I", i) + b"x" * (size - 4))
+            ep.send_framed([1], [struct.pack("<I", i) + b"x" * (size - 4)])
         assert ep.unflushed and 1 not in ep.direct  # the kernel took only part of it
 
         got = bytearray()
@@ -54,7 +54,7 @@ def test_sends_queued_behind_a_full_socket_keep_their_order_and_go_straight_agai
             ep.wait(0.05)
             ep.drain(lambda m: None)
         assert not ep.unflushed and 1 in ep.direct  # drained: straight sends again
-        ep.send_framed([1], struct.pack("<I", count) + b"x" * (size - 4))
+        ep.send_framed([1], [struct.pack("<I", count) + b"x" * (size - 4)])
         reader.join(10)
         assert not reader.is_alive()
         assert [struct.unpack_from("<I", got, i * size)[0] for i in range(count + 1)] \
@@ -79,7 +79,7 @@ class Capture:
         self.signed: list[tuple[int, list[bytes]]] = []
 
     def send_framed(self, dsts, data):
-        self.framed.append((list(dsts), bytes(data)))
+        self.framed += [([d], bytes(one)) for d, one in zip(dsts, data, strict=True)]
 
     def send_many(self, dsts, frames):
         self.many.append((list(dsts), [bytes(memoryview(f)) for f in frames]))
@@ -88,25 +88,28 @@ class Capture:
         self.signed.append((dst, [bytes(memoryview(f)) for f in frames]))
 
 
-def _core(ep, key=None, codec=w.PICKLE):
+K = b"k" * 32
+
+
+def _core(ep, key=K, codec=w.PICKLE):
     return Core(name="t", rank=1, size=4, group_id=99, endpoint=ep, codec=codec, key=key,
                 timeout=5.0)
 
 
 @pytest.mark.parametrize("obj", [None, 7, (1, 2), {"a": 1, "b": "x" * 100}, b"y" * 60000])
-def test_the_usual_message_is_framed_in_one_piece_as_stream_message_frames_it(obj):
+def test_the_usual_message_is_framed_in_one_piece_as_stream_messages_frames_it(obj):
     ep = Capture()
     core = _core(ep)
     core._post(((0, obj),), 3, 12, 0x21, w.NO_ROOT)  # one destination
     core._post(((0, obj), (2, obj), (3, obj)), 0, 13, 5, 2)  # one object to three
     payload = pickle.dumps(obj, 5)
-    assert ep.framed == [
-        ([0], w.stream_message(w.COLL, 1, 99, 12, 3, 0x21, w.NO_ROOT, w.PICKLE, payload)),
-        ([0, 2, 3], w.stream_message(w.COLL, 1, 99, 13, 0, 5, 2, w.PICKLE, payload)),
-    ]
+    one = w.stream_messages([0], w.COLL, 1, 99, 12, 3, 0x21, w.NO_ROOT, w.PICKLE, payload, K)
+    three = w.stream_messages([0, 2, 3], w.COLL, 1, 99, 13, 0, 5, 2, w.PICKLE, payload, K)
+    assert ep.framed == [([0], one[0])] + [([d], x) for d, x in zip([0, 2, 3], three,
+                                                                      strict=True)]
     assert core.sent == 4
-    for _, data in ep.framed:  # and it reads back as that message
-        m, = w.StreamDecoder().messages(bytearray(data), len(data))
+    for [d], data in ep.framed:  # and it reads back as that message, at its destination
+        m, = w.StreamDecoder().messages(bytearray(data), len(data), K, d)
         assert pickle.loads(m.payload) == obj and m.src == 1 and m.group_id == 99
 
 
@@ -114,22 +117,16 @@ def test_what_is_not_the_usual_message_is_framed_the_general_way():
     ep = Capture()
     core = _core(ep)
     big = b"z" * (1 << 20)  # out of band
-    core._post(((0, big),), 0, 1, 5, 0)
-    (dsts, frames), = ep.many
-    assert dsts == [0] and len(frames) == 3 and frames[2] == big
-    ep.many.clear()
+    core._post(((0, big),), 0, 1, 5, 0)  # (header, payload, the buffer, a MAC for rank 0)
+    (d, frames), = ep.signed
+    assert d == 0 and len(frames) == 4 and frames[2] == big
+    assert w.decode(frames, K, 0).buffers[0] == big
     core._post(((0, "a"), (2, "b"), (3, "a")), 0, 2, 5, 0)  # different objects: one each
     got = {}
-    for dsts, data in ep.framed:
-        m, = w.StreamDecoder().messages(bytearray(data), len(data))
-        got.update(dict.fromkeys(dsts, pickle.loads(m.payload)))
-    assert got == {0: "a", 2: "b", 3: "a"} and len(ep.framed) == 2 and not ep.many
-    keyed = Capture()
-    core = _core(keyed, key=b"k" * 32)  # a MAC per destination: never framed in line
-    core._post(((0, 1), (2, 1)), 0, 3, 5, 0)
-    assert not keyed.framed and not keyed.many
-    assert [(d, w.decode(f, b"k" * 32, d).payload) for d, f in keyed.signed] \
-        == [(0, pickle.dumps(1, 5)), (2, pickle.dumps(1, 5))]
+    for [d], data in ep.framed:
+        m, = w.StreamDecoder().messages(bytearray(data), len(data), K, d)
+        got[d] = pickle.loads(m.payload)
+    assert got == {0: "a", 2: "b", 3: "a"} and len(ep.framed) == 3 and not ep.many
 
 
 class Counted:
@@ -166,7 +163,7 @@ def test_an_object_is_pickled_no_more_often_than_the_general_way_pickles_it(size
             core._post(((0, Counted(size, fail)),), 0, 1, 5, 0)
     else:
         core._post(((0, Counted(size)),), 0, 1, 5, 0)
-        sent = [data for _, data in ep.framed] + [b"".join(f) for _, f in ep.many]
+        sent = [data for _, data in ep.framed] + [b"".join(f) for _, f in ep.signed]
         assert len(sent) == 1 and len(sent[0]) > 8 * min(size, 8000)
     assert Counted.calls == passes
     Counted.calls = 0

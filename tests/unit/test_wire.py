@@ -307,31 +307,37 @@ def test_a_large_array_arrives_writable_and_its_own():
         assert arr[0] == 0 and got[0] == 1
 
 
-def _group_msg(draw_kind, src, seq, payload):
-    return w.encode(w.Message(draw_kind, src, 77, seq, 0, 1, w.NO_ROOT, w.PICKLE, payload))
+def _group_msg(draw_kind, src, seq, payload, key=b"k", dst=-1):
+    return w.encode(w.Message(draw_kind, src, 77, seq, 0, 1, w.NO_ROOT, w.PICKLE, payload),
+                    key, dst)
 
 
-_HEAD = w.encode(w.Message(w.COLL, 1, 77, 3, 0, 1, w.NO_ROOT, w.PICKLE, b""))[0]
+_USUAL = _group_msg(w.COLL, 1, 3, b"")
+_HEAD = _USUAL[0]
 _frames = st.one_of(
-    # the usual message, well formed
+    # the usual message (header, payload, MAC), well formed; or made for another rank
     st.builds(_group_msg, st.sampled_from(sorted(w.KINDS)), st.integers(0, 9),
               st.integers(0, 2**40), st.binary(max_size=30)),
-    # with out-of-band buffers, a MAC, or garbage frames
+    st.builds(lambda p: _group_msg(w.COLL, 1, 3, p, dst=5), st.binary(max_size=10)),
+    # with out-of-band buffers, another key, none, or garbage frames
     st.builds(lambda p, b: w.encode(w.Message(w.COLL, 1, 77, 3, 0, 1, w.NO_ROOT, w.PICKLE, p,
-                                              (b,))), st.binary(max_size=10),
+                                              (b,)), b"k"), st.binary(max_size=10),
               st.binary(max_size=10)),
-    st.builds(lambda p: w.encode(w.Message(w.P2P, 2, 77, 1, 0, 0, w.NO_ROOT, w.PICKLE, p),
-                                 b"k"), st.binary(max_size=10)),
+    st.builds(lambda p: _group_msg(w.P2P, 2, 1, p, key=b"other"), st.binary(max_size=10)),
+    st.builds(lambda p: _group_msg(w.P2P, 2, 1, p, key=None), st.binary(max_size=10)),
     st.lists(st.binary(max_size=60), min_size=1, max_size=3),
-    # a header with one byte changed (magic, version, kind, codec, flags, counts...)
-    st.builds(lambda i, v, p: [_HEAD[:i] + bytes([v]) + _HEAD[i + 1:], p],
-              st.integers(0, w.HEADER.size - 1), st.integers(0, 255), st.binary(max_size=5)),
+    # a header with one byte changed (magic, version, kind, codec, flags, counts...), or
+    # the payload, or the MAC
+    st.builds(lambda i, v: [_HEAD[:i] + bytes([v]) + _HEAD[i + 1:], *_USUAL[1:]],
+              st.integers(0, w.HEADER.size - 1), st.integers(0, 255)),
+    st.builds(lambda p: [_HEAD, p, _USUAL[2]], st.binary(min_size=1, max_size=5)),
+    st.builds(lambda m: [_HEAD, _USUAL[1], m], st.binary(min_size=16, max_size=16)),
 )
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_frames, max_size=5), st.one_of(st.just(1 << 20), st.integers(1, 200)),
-       st.sampled_from([None, None, b"k"]))
+       st.sampled_from([None, b"k", b"k"]))
 def test_messages_equals_feed_then_decode(frames_list, chunk, key):
     # the one-pass path of messages() gives what framing then decode() give, whatever the
     # split of the stream into reads, garbage included
@@ -357,14 +363,15 @@ def test_messages_equals_feed_then_decode(frames_list, chunk, key):
     assert (fast_err is None) == (slow_err is None)
 
 
-def test_messages_one_pass_checks_the_header_as_decode_does():
+def test_messages_one_pass_checks_the_header_and_mac_as_decode_does():
     good = _group_msg(w.COLL, 1, 5, b"payload")
     for i in range(2, w.HEADER.size):  # version, kind, op, codec, flags, src, ...
         for v in (0, 2, 0x7F, 0xFF):
-            frames = [_HEAD[:i] + bytes([v]) + _HEAD[i + 1:], b"x"]
+            frames = [_HEAD[:i] + bytes([v]) + _HEAD[i + 1:], *_USUAL[1:]]
             data = bytearray(_stream([good, frames, good]))
-            want = [w.decode_or_none(f) for f in w.StreamDecoder().feed(data)]
-            assert w.StreamDecoder().messages(data, len(data)) == want
+            want = [w.decode_or_none(f, b"k") for f in w.StreamDecoder().feed(data)]
+            assert w.StreamDecoder().messages(data, len(data), b"k") == want
+            assert want[0] is not None and want[2] is not None
 
 
 @settings(max_examples=200, deadline=None)
@@ -372,24 +379,28 @@ def test_messages_one_pass_checks_the_header_as_decode_does():
        st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1), st.integers(0, 255),
        st.integers(-(2**31), 2**31 - 1), st.sampled_from(sorted(w.CODECS)),
        st.binary(max_size=100))
-def test_stream_message_is_the_framing_of_its_frames(kind, src, gid, seq, rnd, op, root, codec,
-                                                     payload):
-    # the one-piece framing of the usual message: the same bytes as the prefix and frames
-    # joined, and it decodes back (both ways) to the message it was built from
-    frames = w.frames(kind, src, gid, seq, rnd, op, root, codec, payload)
-    data = w.stream_message(kind, src, gid, seq, rnd, op, root, codec, payload)
-    assert data == w.stream_prefix(frames) + b"".join(frames)
+def test_stream_messages_are_the_framing_of_their_frames(kind, src, gid, seq, rnd, op, root,
+                                                         codec, payload):
+    # the one-piece framing of the usual message, for each destination: the same bytes as
+    # the prefix and frames (each its MAC) joined, and it decodes back (both ways, at its
+    # destination only) to the message it was built from
+    dsts = [0, 3, 7]
+    each = w.frames_for(dsts, kind, src, gid, seq, rnd, op, root, codec, payload, (), b"k")
+    datas = w.stream_messages(dsts, kind, src, gid, seq, rnd, op, root, codec, payload, b"k")
     want = w.Message(kind, src, gid, seq, rnd, op, root, codec, payload)
-    assert w.StreamDecoder().messages(bytearray(data), len(data)) == [want]
-    assert [w.decode(f) for f in w.StreamDecoder().feed(data)] == [want]
+    for d, frames, data in zip(dsts, each, datas, strict=True):
+        assert data == w.stream_prefix(frames) + b"".join(frames)
+        assert w.StreamDecoder().messages(bytearray(data), len(data), b"k", d) == [want]
+        assert [w.decode(f, b"k", d) for f in w.StreamDecoder().feed(data)] == [want]
+        assert w.StreamDecoder().messages(bytearray(data), len(data), b"k", d + 1) == [None]
 
 
 def test_messages_takes_a_cut_stream_in_one_pass(monkeypatch):
     # every full read of a stream of small messages ends inside one: the message cut is
     # completed by the next read the general way, and the rest of that read still goes the
     # one-pass way (before: each such read went the general way whole, 3x slower per message)
-    data = b"".join(w.stream_message(w.P2P, 1, 7, i + 1, 0, 0, w.NO_ROOT, w.PICKLE,
-                                     pickle.dumps(i)) for i in range(1000))
+    data = b"".join(w.stream_messages([2], w.P2P, 1, 7, i + 1, 0, 0, w.NO_ROOT, w.PICKLE,
+                                      pickle.dumps(i), b"k")[0] for i in range(1000))
     general = []
     decode_or_none = w.decode_or_none
     monkeypatch.setattr(w, "decode_or_none", lambda *a: general.append(1) or decode_or_none(*a))
@@ -397,7 +408,78 @@ def test_messages_takes_a_cut_stream_in_one_pass(monkeypatch):
     for i in range(0, len(data), 1000):
         part = data[i : i + 1000]
         buf[: len(part)] = part
-        got += dec.messages(buf, len(part))
+        got += dec.messages(buf, len(part), b"k", 2)
     assert [pickle.loads(m.payload) for m in got] == list(range(1000))
     assert [m.seq for m in got] == list(range(1, 1001))
     assert len(general) <= len(data) // 1000 + 1  # one per read: the message it cut
+
+
+# ------------------------------------------------------------------ the store's stream
+
+
+def _store_stream(msgs):
+    return b"".join(w.store_stream_message(m) for m in msgs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.binary(max_size=40), min_size=1, max_size=6), max_size=5),
+       st.integers(1, 64))
+def test_store_stream_any_split(msgs, chunk):
+    data = _store_stream(msgs)
+    dec, got = w.StoreStreamDecoder(8, 1000), []
+    for i in range(0, len(data), chunk):
+        got += dec.feed(data[i : i + chunk])
+    assert got == msgs and dec.pending() == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.integers(1, 50))
+def test_store_stream_garbage_decodes_or_raises_wire_error(data, chunk):
+    # whole, byte by byte, or in chunks: messages, or WireError (then for every later feed)
+    for step in (len(data) or 1, 1, chunk):
+        dec = w.StoreStreamDecoder(4, 200)
+        try:
+            for i in range(0, len(data), step):
+                for frames in dec.feed(data[i : i + step]):
+                    assert 1 <= len(frames) <= 4 and sum(map(len, frames)) <= 200
+        except WireError:
+            with pytest.raises(WireError):
+                dec.feed(b"CQ")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(5, 100_000), st.integers(201, 1 << 30))
+def test_the_store_stream_refuses_a_message_past_its_limits_from_its_prefix(n, size):
+    # 4 M empty frames, or a frame declared huge: refused as the prefix says so, nothing
+    # buffered toward it
+    for prefix in (struct.pack("<2sI", b"CQ", n), struct.pack("<2sII", b"CQ", 1, size)):
+        dec = w.StoreStreamDecoder(4, 200)
+        with pytest.raises(WireError, match="at most"):
+            dec.feed(prefix)
+        assert dec.pending() <= len(prefix)
+
+
+def test_a_store_hello_names_its_client():
+    cid = bytes(range(16))
+    [frames] = w.StoreStreamDecoder(4, 100).feed(w.store_hello(cid))
+    assert w.store_hello_id(frames) == cid
+    for bad in ([w.STORE_HELLO], [w.STORE_HELLO, b"short"], [b"other", cid]):
+        with pytest.raises(WireError):
+            w.store_hello_id(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.binary(max_size=60), min_size=1, max_size=5), max_size=6),
+       st.integers(0, 70), st.integers(1, 50))
+def test_the_store_stream_drops_a_message_larger_than_its_room_as_it_comes(msgs, room, chunk):
+    # what does not fit is returned as Skipped (its first frame, where small), never
+    # buffered; the messages around it are decoded as ever, whatever the reads' split
+    data = _store_stream(msgs)
+    dec, got = w.StoreStreamDecoder(8, 1000, lambda: room), []
+    for i in range(0, len(data), chunk):
+        got += dec.feed(data[i : i + chunk])
+        assert dec.pending() <= 6 + 4 * 8 + max(room, 60)
+    want = [m if max(map(len, m)) <= room
+            else w.Skipped(m[0] if len(m[0]) <= w.SKIP_KEEP else b"", max(map(len, m)))
+            for m in msgs]
+    assert got == want
