@@ -2546,7 +2546,7 @@ class TcpEndpoint:
         connection), handed that read to ``sink`` or lost the connection, and left the
         events from there on for drain."""
         conns = self.conns
-        buf, key, me = self._rbuf, self.key, self.me
+        buf, view, key, me = self._rbuf, self._rview, self.key, self.me
         assert key is not None  # (set by the core: every group has one)
         for i, (fd, ev) in enumerate(ready):
             c = conns.get(fd)
@@ -2572,9 +2572,8 @@ class TcpEndpoint:
                 if lead == _EXPRESS_LEAD and mac_len == _EXPRESS_MAC_LEN and got >= end and \
                         head == _HEAD(_MAGIC, _VERSION, kind, op, _PICKLE, w.FLAG_MAC, s,
                                       group_id, seq, rnd, root, 0) and \
-                        _MAC_OK(key, head, (payload := buf[_EXPRESS_SIZE:at]), buf[at:end],
-                                me):
-                    raw[s] = payload  # (a copy: buf is read into again)
+                        _MAC_OK(key, view[:at], view[at:end], me):
+                    raw[s] = buf[_EXPRESS_SIZE:at]  # (a copy: buf is read into again)
                     del left[s]
                     if got == end:
                         continue

@@ -34,7 +34,7 @@ MAGIC = b"CC"
 VERSION = 4  # 2: FLAG_IMMUTABLE (a rank of version 1 drops such messages as malformed); 3: a
 # failed reduction carries the ranks it combined (a rank of version 2 cannot decode it); 4:
 # every message carries a MAC (a group's key is made at formation, with or without auth_key)
-STORE_VERSION = 1  # the store's requests and replies (unchanged since 1)
+STORE_VERSION = 2  # the store's requests and replies (2: a keyed one's MAC, see _mac_state)
 HEADER = struct.Struct("<2sBBBBHIQQqiH")
 
 # kinds
@@ -130,13 +130,15 @@ def _hash(key: bytes) -> Any:
 
 
 def _mac_state(key: bytes, frames: Sequence[Any]) -> Any:
-    """The MAC's hash over ``frames`` (each after its length: the input splits one way only);
-    the destination comes after it (:func:`_mac`)."""
+    """The MAC's hash over ``frames``, a message's frames but its MAC: their stream framing
+    (:func:`stream_prefix` of the frames and the MAC, then the frames; so the input splits
+    one way only, and it is the very bytes a stream sends, hashed in one go where they are
+    at hand: :func:`stream_messages`, :meth:`StreamDecoder.messages`); the destination
+    comes after it (:func:`_mac`)."""
     h = _hash(key)
+    h.update(stream_prefix_lens([memoryview(f).nbytes for f in frames] + [MAC_SIZE]))
     for f in frames:
-        view = memoryview(f)
-        h.update(struct.pack("<Q", view.nbytes))
-        h.update(view)
+        h.update(f)
     return h
 
 
@@ -709,8 +711,6 @@ _FSIZE = _FASTR.size
 _PREFIX_MAX = STREAM_HEAD.size + 8 * MAX_FRAMES  # the longest stream prefix
 _LEAD = struct.pack("<2sHQ", STREAM_MAGIC, 3, HEADER.size)
 _MAC_LEN = struct.pack("<Q", MAC_SIZE)
-_HEADER_LEN = struct.pack("<Q", HEADER.size)
-_U64 = struct.Struct("<Q").pack
 _MV = struct.pack("<2sB", MAGIC, VERSION)
 assert _FAST3.size == _FSIZE and HEADER.format.startswith("<2sB")
 # the start of a read that begins with a usual message, split where
@@ -721,22 +721,12 @@ EXPRESS_LEAD = _LEAD
 EXPRESS_MAC_LEN = _MAC_LEN
 
 
-def _usual_hash(key: bytes, header: Any, payload: Any) -> Any:
-    """The MAC's hash of the usual message (``header``, ``payload``), as :func:`_mac_state`
-    makes it of those two frames, before its destination."""
+def usual_mac_ok(key: bytes, framed: Any, mac: Any, dst: int) -> bool:
+    """Whether ``mac`` is the MAC, for rank ``dst``, of the usual message whose stream bytes
+    but the MAC are ``framed``: :func:`decode`'s check, for a reader that takes such a
+    message apart from the decoder (TcpEndpoint.read_expected)."""
     h = _hash(key)
-    h.update(_HEADER_LEN)
-    h.update(header)
-    h.update(_U64(len(payload)))
-    h.update(payload)
-    return h
-
-
-def usual_mac_ok(key: bytes, header: Any, payload: Any, mac: Any, dst: int) -> bool:
-    """Whether ``mac`` is the MAC, for rank ``dst``, of the usual message (``header``,
-    ``payload``): :func:`decode`'s check, for a reader that takes such a message apart
-    from the decoder (TcpEndpoint.read_expected)."""
-    h = _usual_hash(key, header, payload)
+    h.update(framed)
     h.update(_TO.pack(b"to", dst))
     return hmac.compare_digest(h.digest(), mac)
 
@@ -748,10 +738,10 @@ def stream_messages(dsts: Sequence[int], kind: int, src: int, group_id: int, seq
     each of ``dsts`` (each with its MAC): the bytes of :func:`stream_prefix` and
     :func:`frames_for`'s frames joined, the header packed once, the MAC's hash over it and
     the payload made once. What :meth:`StreamDecoder.messages` reads in one go."""
-    head = _FAST3.pack(STREAM_MAGIC, 3, HEADER.size, len(payload), MAC_SIZE, MAGIC, VERSION,
-                       kind, op, codec, FLAG_MAC, src, group_id, seq, rnd, root, 0)
-    body = head + payload
-    h = _usual_hash(key, head[_USUAL.size:], payload)
+    body = _FAST3.pack(STREAM_MAGIC, 3, HEADER.size, len(payload), MAC_SIZE, MAGIC, VERSION,
+                       kind, op, codec, FLAG_MAC, src, group_id, seq, rnd, root, 0) + payload
+    h = _hash(key)  # (_mac_state's input: the stream bytes but the MAC, at hand)
+    h.update(body)
     out = []
     for d in dsts:
         hd = h.copy()
@@ -834,8 +824,7 @@ class StreamDecoder:
         hmax = self.max_message - HEADER.size - MAC_SIZE
         to = _TO.pack(b"to", dst)
         keyed = _hash(key)
-        keyed.update(_HEADER_LEN)
-        at = _USUAL.size
+        view = memoryview(buf)
         while end - pos >= _FSIZE:
             lead, b, ml, mv, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf = \
                 _FASTR.unpack_from(buf, pos)
@@ -845,13 +834,11 @@ class StreamDecoder:
             if nxt > end or lead != _LEAD or ml != _MAC_LEN or b > hmax or mv != _MV \
                     or kind not in KINDS or codec not in CODECS or flags != FLAG_MAC or nbuf:
                 break  # cut by the read, or not the usual message: the general way
-            payload = buf[p:q]  # (a copy)
-            h = keyed.copy()  # (_usual_hash, inline)
-            h.update(buf[pos + at:p])
-            h.update(_U64(b))
-            h.update(payload)
+            h = keyed.copy()  # (_mac_state's input: the message's stream bytes but its MAC)
+            h.update(view[pos:q])
             h.update(to)
-            if hmac.compare_digest(h.digest(), buf[q:nxt]):
+            if hmac.compare_digest(h.digest(), view[q:nxt]):
+                payload = buf[p:q]  # (a copy)
                 # tuple.__new__: a Message without its Python-level __new__ (one per message)
                 out.append(_new_tuple(Message, (kind, src, gid, seq, rnd, op, root, codec,
                                                 payload, ())))
