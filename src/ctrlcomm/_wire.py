@@ -142,9 +142,22 @@ def _mac_state(key: bytes, frames: Sequence[Any]) -> Any:
     return h
 
 
+_to_bytes: dict[int, bytes] = {}
+
+
+def _to(dst: int) -> bytes:
+    """What follows a message's frames in its MAC's input: b"to", the rank it is for."""
+    t = _to_bytes.get(dst)
+    if t is None:
+        if len(_to_bytes) >= 4096:
+            _to_bytes.clear()
+        t = _to_bytes[dst] = _TO.pack(b"to", dst)
+    return t
+
+
 def _mac(key: bytes, frames: Sequence[Any], dst: int) -> bytes:
     h = _mac_state(key, frames)
-    h.update(_TO.pack(b"to", dst))
+    h.update(_to(dst))
     return h.digest()  # type: ignore[no-any-return]
 
 
@@ -727,7 +740,7 @@ def usual_mac_ok(key: bytes, framed: Any, mac: Any, dst: int) -> bool:
     message apart from the decoder (TcpEndpoint.read_expected)."""
     h = _hash(key)
     h.update(framed)
-    h.update(_TO.pack(b"to", dst))
+    h.update(_to(dst))
     return hmac.compare_digest(h.digest(), mac)
 
 
@@ -742,10 +755,13 @@ def stream_messages(dsts: Sequence[int], kind: int, src: int, group_id: int, seq
                        kind, op, codec, FLAG_MAC, src, group_id, seq, rnd, root, 0) + payload
     h = _hash(key)  # (_mac_state's input: the stream bytes but the MAC, at hand)
     h.update(body)
+    if len(dsts) == 1:
+        h.update(_to(dsts[0]))
+        return [body + h.digest()]
     out = []
     for d in dsts:
         hd = h.copy()
-        hd.update(_TO.pack(b"to", d))
+        hd.update(_to(d))
         out.append(body + hd.digest())
     return out
 
@@ -822,9 +838,9 @@ class StreamDecoder:
             if pos == end or self.error is not None or self.buf:
                 return out
         hmax = self.max_message - HEADER.size - MAC_SIZE
-        to = _TO.pack(b"to", dst)
-        keyed = _hash(key)
-        view = memoryview(buf)
+        to = _to(dst)
+        fresh = _hash(key).copy
+        same = hmac.compare_digest
         while end - pos >= _FSIZE:
             lead, b, ml, mv, kind, op, codec, flags, src, gid, seq, rnd, root, nbuf = \
                 _FASTR.unpack_from(buf, pos)
@@ -834,10 +850,10 @@ class StreamDecoder:
             if nxt > end or lead != _LEAD or ml != _MAC_LEN or b > hmax or mv != _MV \
                     or kind not in KINDS or codec not in CODECS or flags != FLAG_MAC or nbuf:
                 break  # cut by the read, or not the usual message: the general way
-            h = keyed.copy()  # (_mac_state's input: the message's stream bytes but its MAC)
-            h.update(view[pos:q])
+            h = fresh()  # (_mac_state's input: the message's stream bytes but its MAC)
+            h.update(buf[pos:q])
             h.update(to)
-            if hmac.compare_digest(h.digest(), view[q:nxt]):
+            if same(h.digest(), buf[q:nxt]):
                 payload = buf[p:q]  # (a copy)
                 # tuple.__new__: a Message without its Python-level __new__ (one per message)
                 out.append(_new_tuple(Message, (kind, src, gid, seq, rnd, op, root, codec,
