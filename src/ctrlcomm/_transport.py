@@ -1391,15 +1391,24 @@ class StoreServer:
                 addr = "0.0.0.0"
             elif not _numeric(addr):
                 addr = _interface_address(addr)
-            ls = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
-            try:
-                ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                _dual_stack(ls, addr)
-                ls.bind((addr, port))
-                ls.listen(1024)
-            except OSError as e:
-                ls.close()
-                raise _bind_os_error(e, "store", _tcp(addr, port)) from None
+            # a store this process closed on this port just before may still hold it a few
+            # milliseconds (ZeroMQ releases a listener asynchronously): only then is a
+            # failed bind tried again
+            retry_until = _released.get((host, port), 0.0) + 2.0
+            while True:
+                ls = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+                try:
+                    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    _dual_stack(ls, addr)
+                    ls.bind((addr, port))
+                    ls.listen(1024)
+                    break
+                except OSError as e:
+                    ls.close()
+                    if e.errno == errno.EADDRINUSE and time.monotonic() < retry_until:
+                        time.sleep(0.01)
+                        continue
+                    raise _bind_os_error(e, "store", _tcp(addr, port)) from None
         ls.setblocking(False)
         self._lsock = ls
         self.port = int(ls.getsockname()[1])
