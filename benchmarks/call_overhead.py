@@ -13,19 +13,31 @@ import time
 
 from ctrlcomm import _wire as w
 from ctrlcomm._core import Core
+from ctrlcomm._endpoint import IoLock
 from ctrlcomm._group import Group
 
 
 class AnsweringEndpoint:
     """Stands in for the root: every message sent gets the same payload back from rank 0."""
 
+    io = IoLock()  # (the sockets' lock: see ctrlcomm._endpoint.IoLock)
     STREAM = True  # takes the usual message framed in one piece, as TcpEndpoint does
+    EXPRESS = False
     closed = False
     unflushed: frozenset[int] = frozenset()
     key = None
 
     def __init__(self) -> None:
         self.pending: list[w.Message] = []
+
+    def attach(self, sink, on_lost, key, me) -> None:
+        pass
+
+    def set_hello(self, hello) -> None:
+        pass
+
+    def push(self, budget_s: float) -> None:
+        pass
 
     def _answer(self, header: tuple, payload: bytes) -> None:
         op, seq, rnd = header[3], header[8], header[9]

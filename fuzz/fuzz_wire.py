@@ -14,7 +14,7 @@ import atheris
 with atheris.instrument_imports():
     from ctrlcomm import _wire as w
     from ctrlcomm._errors import WireError
-    from ctrlcomm._store import StoreState
+    from ctrlcomm.rendezvous._state import StoreState
 
 KEY = b"fuzz-key"
 
@@ -50,6 +50,12 @@ def one_input(data: bytes) -> None:
         pass
     try:
         w.decode_store_reply(frames)
+    except WireError:
+        pass
+    reason = w.decode_abort(data)  # (never raises: whatever a peer says is its reason)
+    assert isinstance(reason.text, str) and all(type(r) is int for r in reason.ranks)
+    try:
+        w.decode_address(data.decode(errors="replace"))
     except WireError:
         pass
     try:

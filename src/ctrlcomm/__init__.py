@@ -24,10 +24,10 @@ from ._errors import StoreTimeoutError as StoreTimeoutError
 from ._group import AioGroup as AioGroup
 from ._group import Group as Group
 from ._megatron import AsyncZMQCommunicator as AsyncZMQCommunicator
-from ._store import StoreClient as StoreClient
-from ._store import StoreLimits as StoreLimits
-from ._transport import StoreServer as StoreServer
 from ._vllm import StatelessProcessGroup as StatelessProcessGroup
+from .rendezvous._client import StoreClient as StoreClient
+from .rendezvous._server import StoreServer as StoreServer
+from .rendezvous._state import StoreLimits as StoreLimits
 
 __version__ = "0.1.0"
 

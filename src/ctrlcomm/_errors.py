@@ -21,6 +21,10 @@
 
 ``WireError`` is internal: the wire decoder raises it for any malformed frame and the
 mailbox counts and drops such frames; it never reaches user code.
+
+``Failed`` is not raised: it is a failure carried as a value, in a call in place of a rank's
+object, so that every rank stays in step and raises the error it stands for (a wire value:
+both codecs encode it, which is why it lives here, below them).
 """
 
 from __future__ import annotations
@@ -215,3 +219,58 @@ class FormationStoreTimeoutError(FormationTimeoutError, StoreTimeoutError):
         FormationTimeoutError.__init__(self, message, missing=missing, gave_up=gave_up)
         self.answered = False
 
+
+# ------------------------------------------------------------ a failure as a value
+
+class Failed:
+    """A call that failed somewhere; carries the first error message, and its ``kind``:
+    ``"reduction"`` (combining failed), ``"operand"`` (a rank's operand the op cannot
+    reduce; see :func:`check_operand`), ``"codec"`` (a rank's object the group's codec
+    cannot encode) or ``"argument"`` (a scatter root's or an all_to_all rank's objects are
+    not one per rank). It travels in the call in place of the object, so every rank stays in
+    step and raises it. ``sides``: for a combination that failed, the ranks whose operands
+    were on its left and on its right (set by the plan that combined them, which alone
+    knows; empty where not known)."""
+
+    __slots__ = ("message", "kind", "sides")
+
+    def __init__(self, message: str, kind: str = "reduction",
+                 sides: tuple[tuple[int, ...], tuple[int, ...]] | tuple[()] = ()) -> None:
+        self.message = message
+        self.kind = kind
+        self.sides = sides
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Failed, (self.message, self.kind, self.sides))
+
+    def at(self, left: Sequence[int], right: Sequence[int]) -> Failed:
+        """This failure, with the ranks of the combination it came from where it came from
+        one and says none yet (a failure passed on keeps the sides of its own)."""
+        if self.kind != "reduction" or self.sides:
+            return self
+        return Failed(self.message, self.kind, (tuple(left), tuple(right)))
+
+    def where(self) -> str:
+        """The sides as words: "combining the operands of ranks 0-1 with rank 2's"."""
+        if not self.sides:
+            return ""
+        left, right = (rank_list(s) for s in self.sides)
+        return f"combining the operand{'s' * (len(self.sides[0]) > 1)} of {left} with {right}'s"
+
+
+def rank_list(ranks: Sequence[int]) -> str:
+    """Ranks as words, runs shortened: "rank 3", "ranks 0-2, 5"."""
+    rs = sorted(set(ranks))
+    parts, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}{'-' if j > i + 1 else ', '}{rs[j]}")
+        i = j + 1
+    return f"rank{'s' * (len(rs) != 1)} {', '.join(parts)}"
+
+
+# Pickles name a class by its module: a rank of a release before this one finds Failed in
+# ctrlcomm._ops (which still exports it), and one of this release finds it there too.
+Failed.__module__ = "ctrlcomm._ops"

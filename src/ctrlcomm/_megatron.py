@@ -17,8 +17,8 @@ import operator
 from collections.abc import Coroutine
 from typing import Any
 
+from . import _dropin as di
 from ._errors import InvalidArgumentError, show
-from ._group import _Awaited, _coroutine_function
 
 
 def _values(name: str, rank: int, vals: tuple[Any, ...]) -> tuple[int, ...]:
@@ -96,11 +96,11 @@ class AsyncZMQCommunicator:
         # (a coroutine that breaks the group where it is cancelled before it began, as
         # group.aio's: an async def's would make no call at all, and this rank's next would
         # pair with the others' this one)
-        return _Awaited(self.group._core, name,
-                        lambda: self._areduce(name, op, vals, async_op, timeout),
-                        type(self).__name__)
+        return di.awaited(self.group, name,
+                          lambda: self._areduce(name, op, vals, async_op, timeout),
+                          type(self).__name__)
 
-    @_coroutine_function
+    @di.coroutine_function
     def all_reduce_max(self, *local_vals: int, async_op: bool = True,
                        timeout: float | None = None) -> Coroutine[Any, Any, int | tuple[int, ...]]:
         """Element-wise max over ranks: an int for one value, else a tuple."""
@@ -111,7 +111,7 @@ class AsyncZMQCommunicator:
         """Blocking variant of :meth:`all_reduce_max`."""
         return self._reduce("sync_all_reduce_max", "max", local_vals, timeout)
 
-    @_coroutine_function
+    @di.coroutine_function
     def all_reduce_min(self, *local_vals: int, async_op: bool = True,
                        timeout: float | None = None) -> Coroutine[Any, Any, int | tuple[int, ...]]:
         return self._awaited("all_reduce_min", "min", local_vals, async_op, timeout)
@@ -120,7 +120,7 @@ class AsyncZMQCommunicator:
                             timeout: float | None = None) -> int | tuple[int, ...]:
         return self._reduce("sync_all_reduce_min", "min", local_vals, timeout)
 
-    @_coroutine_function
+    @di.coroutine_function
     def all_reduce_sum(self, *local_vals: int, async_op: bool = True,
                        timeout: float | None = None) -> Coroutine[Any, Any, int | tuple[int, ...]]:
         return self._awaited("all_reduce_sum", "sum", local_vals, async_op, timeout)
@@ -129,7 +129,7 @@ class AsyncZMQCommunicator:
                             timeout: float | None = None) -> int | tuple[int, ...]:
         return self._reduce("sync_all_reduce_sum", "sum", local_vals, timeout)
 
-    @_coroutine_function
+    @di.coroutine_function
     def broadcast(self, obj: Any = None, src: int = 0, *,
                   timeout: float | None = None) -> Coroutine[Any, Any, Any]:
         """``src``'s object on every rank. ``src`` is a rank within the process group, as
@@ -141,7 +141,7 @@ class AsyncZMQCommunicator:
                        timeout: float | None = None) -> Any:
         return self.group.broadcast(obj, src=src, timeout=timeout)
 
-    @_coroutine_function
+    @di.coroutine_function
     def barrier(self, *, timeout: float | None = None) -> Coroutine[Any, Any, None]:
         return self.group.aio.barrier(timeout=timeout)
 

@@ -26,7 +26,7 @@ def _default(obj: Any) -> Any:
     m = _msgpack()
     if isinstance(obj, tuple):
         return m.ExtType(_TUPLE, dumps(list(obj)))
-    from ._ops import Failed
+    from ._errors import Failed
 
     if type(obj) is Failed:
         return m.ExtType(_FAILED, dumps([obj.message, obj.kind, [list(x) for x in obj.sides]]))
@@ -41,7 +41,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == _TUPLE:
         return tuple(loads(data))
     if code == _FAILED:
-        from ._ops import Failed
+        from ._errors import Failed
 
         message, kind, *rest = loads(data)
         sides = rest[0] if rest else ()

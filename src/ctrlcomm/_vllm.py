@@ -18,12 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import _plans
-from ._core import run_sync
+from . import _dropin as di
+from ._dropin import Group, StoreClient, StoreServer
 from ._errors import ConcurrentUseError, InvalidArgumentError, show
-from ._group import Group, _rank_arg, close_when_dropped
-from ._store import StoreClient, _secs
-from ._transport import StoreServer, auth_key_or_env
 
 _TENSOR_TAG = 1 << 40  # point-to-point tensors travel apart from send_obj/recv_obj objects
 # broadcast_obj's messages: one ordered stream per source, as the original's store keys
@@ -96,7 +93,7 @@ def _one_at_a_time(method: _F) -> _F:
                 except TypeError:  # (the call itself says what is wrong)
                     pass
             if not (isinstance(t, (int, float)) and t > 0):  # (else the call says what's wrong)
-                t = self._group._core.timeout
+                t = di.default_timeout(self._group)
             if not lock.acquire(timeout=min(t, threading.TIMEOUT_MAX)):
                 raise ConcurrentUseError(
                     f"{op} on rank {self.rank}: another thread's {self._holder} held the "
@@ -133,6 +130,8 @@ class StatelessProcessGroup:
         store: the rendezvous store client (``set``, ``get``, ``add``, ``delete_key``...).
         data_expiration_seconds: kept for compatibility; no data is kept to expire.
     """
+
+    WRAPS_A_GROUP = True  # (ctrlcomm.torch.init_torch_process_group takes its group)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StatelessProcessGroup:
         if cls is StatelessProcessGroup and _installed:
@@ -178,7 +177,7 @@ class StatelessProcessGroup:
         self._server = server
         # (its group closes itself when collected unclosed; the store served from
         # listen_socket likewise, with the group: `pg.group` may outlive this wrapper)
-        self._finalizer = None if server is None else close_when_dropped(formed, server.close)
+        self._finalizer = None if server is None else di.close_when_dropped(formed, server.close)
 
     @property
     def store(self) -> Any:
@@ -203,9 +202,8 @@ class StatelessProcessGroup:
     def _formed(rank: Any, world_size: Any, store: Any) -> Any:
         """The group of ``StatelessProcessGroup(rank, world_size, store)``: formed through
         ``store``; a :class:`_Unformed` stand-in where it is None."""
-        from ._group import _through_store, _validate_world
 
-        rank, world_size = _validate_world(rank, world_size)
+        rank, world_size = di.validate_world(rank, world_size)
         if store is None:
             return _Unformed(rank, world_size)
         for need in ("set", "get", "set_timeout", "delete_key"):
@@ -213,10 +211,10 @@ class StatelessProcessGroup:
                 raise InvalidArgumentError(
                     f"StatelessProcessGroup: store must be a torch.distributed Store or a "
                     f"ctrlcomm StoreClient, got a {type(store).__name__} (no {need}())")
-        t = _secs(getattr(store, "timeout", 300.0))
+        t = di.store_seconds(getattr(store, "timeout", 300.0))
         host = str(getattr(store, "host", "127.0.0.1"))
         port = int(getattr(store, "port", 0))
-        g = _through_store(Group, store, "ctrlcomm/stateless", host, port, rank, world_size,
+        g = di.form_through_store(Group, store, "ctrlcomm/stateless", host, port, rank, world_size,
                            {"name": "stateless", "timeout": t}, time.monotonic() + t,
                            f"the store given ({type(store).__name__})")
         if hasattr(store, "set_timeout"):  # (_published shortened it to what was left)
@@ -239,10 +237,10 @@ class StatelessProcessGroup:
         server = None
         if rank == 0 and listen_socket is not None:
             server = StoreServer(host, port, listen_socket=listen_socket,
-                                 auth_key=auth_key_or_env())
+                                 auth_key=di.auth_key_or_env())
         try:
             g = Group.create(host, port, rank, world_size, name="stateless",
-                             timeout=_secs(store_timeout),
+                             timeout=di.store_seconds(store_timeout),
                              host_store=None if server is None else False)
         except BaseException:
             if server is not None:
@@ -267,19 +265,19 @@ class StatelessProcessGroup:
     def _send(self, obj: Any, dst: Any, kind: int, op: str, what: str) -> None:
         """``obj`` to ``dst`` in stream ``kind`` (0: objects, 1: tensors), this rank too;
         ``what``, with the rank, names the call in errors."""
-        c = self._group._core
-        dst = _rank_arg(c, dst, "dst", op)
+        g = self._group
+        dst = di.rank_arg(g, dst, "dst", op)
         if dst == self.rank:
             self._send_self(obj, kind)
         else:
-            run_sync(c, c.send(obj, dst, _TAGS[kind], None, what.format(dst)))
+            di.send(g, obj, dst, _TAGS[kind], what.format(dst))
 
     def _recv(self, src: Any, kind: int, op: str, what: str) -> Any:
-        c = self._group._core
-        src = _rank_arg(c, src, "src", op)
+        g = self._group
+        src = di.rank_arg(g, src, "src", op)
         if src == self.rank:
             return self._recv_self(kind, op)
-        return run_sync(c, c.recv(src, _TAGS[kind], None, what.format(src)))
+        return di.recv(g, src, _TAGS[kind], what.format(src))
 
     @property
     def group(self) -> Group:
@@ -287,10 +285,10 @@ class StatelessProcessGroup:
         return self._group
 
     def _send_self(self, obj: Any, kind: int) -> None:
-        self._group._core.send_self(obj, _TAGS[kind], f"send to rank {self.rank} (itself)")
+        di.send_self(self._group, obj, _TAGS[kind], f"send to rank {self.rank} (itself)")
 
     def _recv_self(self, kind: int, op: str) -> Any:
-        return self._group._core.recv_self(_TAGS[kind], f"{op}(src={self.rank})")
+        return di.recv_self(self._group, _TAGS[kind], f"{op}(src={self.rank})")
 
     @_one_at_a_time
     def broadcast_obj(self, obj: Any | None, src: int) -> Any:
@@ -305,16 +303,16 @@ class StatelessProcessGroup:
     def _bcast(self, obj: Any, src: int, op: str) -> Any:
         """``src``'s next object in its stream of broadcasts (broadcast_obj's and the tensor
         broadcast's, one stream per source as the original's store keys are)."""
-        c = self._group._core
-        src = _rank_arg(c, src, "src", op)
+        g = self._group
+        src = di.rank_arg(g, src, "src", op)
         what = f"{op}(src={src})"
         if self.rank != src:
-            return run_sync(c, c.recv(src, _BCAST_TAG, None, what))
-        others = _plans._others(self.world_size, src)
+            return di.recv(g, src, _BCAST_TAG, what)
+        others = di.others(self.world_size, src)
         if others:
-            run_sync(c, c.send(obj, others, _BCAST_TAG, None, what))
+            di.send(g, obj, others, _BCAST_TAG, what)
         else:
-            c.check_open()
+            di.check_open(g)
         return obj
 
     @_one_at_a_time

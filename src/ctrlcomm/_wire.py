@@ -278,6 +278,94 @@ def _writable(bufs: Sequence[Any]) -> tuple[Any, ...]:
                  for b in bufs)
 
 
+# --------------------------------------------------------------------- control payloads
+
+ABORT_OWN, ABORT_LOST, ABORT_MISMATCH = 0, 1, 2  # AbortReason.kind
+_ABORT_MARKS = {ABORT_LOST: "\x00lost:", ABORT_MISMATCH: "\x00mismatch:"}
+
+
+class AbortReason(NamedTuple):
+    """An ABORT message's payload: why its sender broke the group.
+
+    ``kind``: ABORT_OWN (an abort of the sender's own: ``text`` says why), ABORT_LOST (the
+    sender lost ``ranks``; ``text``: its error), ABORT_MISMATCH (the sender found the ranks
+    out of step; ``text`` describes how). As text: a marked one begins with NUL, its mark
+    ("lost:" and the ranks, comma-separated, then "|"; "mismatch:"), then ``text``; any
+    other text is the sender's own reason, as a peer of an earlier version reads it.
+    """
+
+    kind: int
+    text: str
+    ranks: tuple[int, ...] = ()
+
+    def encode(self) -> bytes:
+        if self.kind == ABORT_LOST:
+            return f"{_ABORT_MARKS[ABORT_LOST]}{','.join(map(str, self.ranks))}|{self.text}".encode()
+        return (_ABORT_MARKS.get(self.kind, "") + self.text).encode()
+
+
+def decode_abort(payload: Any) -> AbortReason:
+    """The reason an ABORT's payload gives. Never raises: a payload that is no marked reason
+    is the sender's own words (undecodable bytes replaced), and a rank that is no decimal
+    number is left out of ``ranks``."""
+    text = bytes(payload).decode(errors="replace")
+    if text.startswith(_ABORT_MARKS[ABORT_MISMATCH]):
+        return AbortReason(ABORT_MISMATCH, text[len(_ABORT_MARKS[ABORT_MISMATCH]):])
+    if text.startswith(_ABORT_MARKS[ABORT_LOST]):
+        head, _, rest = text[len(_ABORT_MARKS[ABORT_LOST]):].partition("|")
+        # (isdecimal: what int() takes; "²".isdigit() is true)
+        ranks = tuple(int(x) for x in head.split(",") if x.strip().isdecimal())
+        return AbortReason(ABORT_LOST, rest, ranks)
+    return AbortReason(ABORT_OWN, text)
+
+
+ALIKE = ("ws", "codec", "tr", "wire")  # the fields every rank of a group must have alike
+
+
+class AddressRecord(NamedTuple):
+    """A rank's line of a formation's address table: where its peers reach it, and what
+    every rank must have alike.
+
+    As text, fields separated by single spaces: the endpoint ("tcp://host:port"; "*" for a
+    host: see Group.create), the heartbeat's UDP port, then ``fields``, each "name:value":
+    the transport's own ("unix:...", "curve:..."), "proc:host:pid:start" (which process of
+    which host), the settings every rank must have alike (:data:`ALIKE`: "ws:", "codec:",
+    "tr:", "wire:") and "join:" (this try's own token). Fields of names a release does not
+    know are kept, and ignored.
+    """
+
+    endpoint: str
+    udp_port: int
+    fields: tuple[str, ...] = ()
+
+    def encode(self) -> str:
+        return " ".join((self.endpoint, str(self.udp_port), *self.fields))
+
+    def value(self, name: str) -> str:
+        """The value of the first field ``name`` ("" if none)."""
+        mark = name + ":"
+        return next((f[len(mark):] for f in self.fields if f.startswith(mark)), "")
+
+    def named(self, *names: str) -> list[str]:
+        """The fields of those names, whole ("name:value"), in order."""
+        marks = tuple(n + ":" for n in names)
+        return [f for f in self.fields if f.startswith(marks)]
+
+    def alike(self) -> dict[str, str]:
+        """The settings every rank must have alike, by name (those it has)."""
+        return {k: v for k, _, v in (f.partition(":") for f in self.fields) if k in ALIKE}
+
+
+def decode_address(text: str) -> AddressRecord:
+    """The record of an address line; WireError where it has no endpoint and port."""
+    parts = text.split(" ")
+    if len(parts) < 2 or not parts[0] or not parts[1].isdecimal() or int(parts[1]) > 65535:
+        raise WireError(f"not an address record: {text[:80]!r}")
+    if any(not f or ":" not in f for f in parts[2:]):
+        raise WireError(f"an address record with a field that is not name:value: {text[:80]!r}")
+    return AddressRecord(parts[0], int(parts[1]), tuple(parts[2:]))
+
+
 # ----------------------------------------------------------------------------------- codecs
 
 
@@ -726,22 +814,41 @@ _LEAD = struct.pack("<2sHQ", STREAM_MAGIC, 3, HEADER.size)
 _MAC_LEN = struct.pack("<Q", MAC_SIZE)
 _MV = struct.pack("<2sB", MAGIC, VERSION)
 assert _FAST3.size == _FSIZE and HEADER.format.startswith("<2sB")
-# the start of a read that begins with a usual message, split where
-# TcpEndpoint.read_expected compares it: (the stream prefix but the lengths of payload and
-# MAC, the payload's length, the MAC's, the header)
+# the start of a read that begins with a usual message, split where usual_expected
+# compares it: (the stream prefix but the lengths of payload and MAC, the payload's length,
+# the MAC's, the header)
 EXPRESS = struct.Struct(f"<12sQ8s{HEADER.size}s")
-EXPRESS_LEAD = _LEAD
-EXPRESS_MAC_LEN = _MAC_LEN
+EXPRESS_SIZE = EXPRESS.size
 
 
-def usual_mac_ok(key: bytes, framed: Any, mac: Any, dst: int) -> bool:
-    """Whether ``mac`` is the MAC, for rank ``dst``, of the usual message whose stream bytes
-    but the MAC are ``framed``: :func:`decode`'s check, for a reader that takes such a
-    message apart from the decoder (TcpEndpoint.read_expected)."""
-    h = _hash(key)
-    h.update(framed)
-    h.update(_to(dst))
-    return hmac.compare_digest(h.digest(), mac)
+def usual_header(kind: int, op: int, src: int, group_id: int, seq: int, rnd: int,
+                 root: int) -> bytes:
+    """The header of the usual message (pickled, MACed, no out-of-band buffers) with these
+    fields, as :func:`usual_expected` compares it."""
+    return HEADER.pack(MAGIC, VERSION, kind, op, PICKLE, FLAG_MAC, src, group_id, seq, rnd,
+                       root, 0)
+
+
+def usual_expected(buf: bytes | bytearray, got: int, head: bytes, key: bytes, dst: int
+                   ) -> int:
+    """Where the read ``buf[:got]`` of a stream ends its first message, where that is the
+    usual message with header ``head`` (:func:`usual_header`), whole and MACed for rank
+    ``dst``; 0 where it is not (another message, one the read cut, or a bad MAC: the
+    decoder then takes the read, and says what it is). Its payload is
+    ``buf[EXPRESS_SIZE:end - MAC_SIZE]``. For a reader that expects that message and takes it
+    apart from the decoder (TcpEndpoint.read_expected)."""
+    if got < EXPRESS_SIZE:
+        return 0
+    lead, size, mac_len, h = EXPRESS.unpack_from(buf)
+    at = EXPRESS_SIZE + size
+    end = at + MAC_SIZE
+    if lead != _LEAD or mac_len != _MAC_LEN or got < end or h != head:
+        return 0
+    mac = _hash(key)
+    with memoryview(buf) as view:
+        mac.update(view[:at])
+        mac.update(_to(dst))
+        return end if hmac.compare_digest(mac.digest(), view[at:end]) else 0
 
 
 def stream_messages(dsts: Sequence[int], kind: int, src: int, group_id: int, seq: int,

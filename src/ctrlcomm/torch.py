@@ -16,8 +16,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
-import time
 from typing import Any
 
 try:
@@ -29,56 +27,17 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(or install the torch build for your machine first)"
     ) from e
 
+from ._dropin import Group, StoreClient, endpoint_addresses, host_of
 from ._errors import (
-    FormationError,
-    FormationTimeoutError,
     InvalidArgumentError,
     StoreError,
     StoreTimeoutError,
 )
-from ._group import Group, _acquire_server, _bind_address, _host_of, _release_server, _timeout_arg
-from ._store import StoreClient
-from ._transport import _wildcard, auth_key_or_env, local_address_for, resolve
 
 __all__ = ["TorchStore", "TorchStoreError", "TorchStoreTimeoutError", "group_from_torch",
            "init_torch_process_group"]
 
 log = logging.getLogger("ctrlcomm")
-
-
-def _default_host(timeout: float) -> str:
-    """An address of this machine that the other ranks can reach.
-
-    The interface toward torchrun's ``MASTER_ADDR`` when it is set (the peers reach that
-    network too), else what this host's name resolves to, else loopback. Names are looked up
-    within ``timeout`` seconds in all (and a second more for this host's name, where looking
-    ``MASTER_ADDR`` up took them).
-    """
-    deadline = time.monotonic() + timeout
-    master = os.environ.get("MASTER_ADDR")
-    if master:
-        try:
-            return local_address_for(resolve(master, deadline - time.monotonic()),
-                                     int(os.environ.get("MASTER_PORT", "29500")))
-        except (OSError, UnicodeError, ValueError) as e:  # (TimeoutError, socket.gaierror)
-            log.warning("Group.from_torch: no route to MASTER_ADDR=%r found (%s: %s): the "
-                        "store binds to what this host's name resolves to, or loopback",
-                        master, type(e).__name__, e)
-    try:  # (a second or more, where looking MASTER_ADDR up took the time)
-        return resolve(socket.gethostname(), max(deadline - time.monotonic(), 1.0))
-    except (OSError, UnicodeError):
-        return "127.0.0.1"
-
-
-def _leader_host(hostname: Any, timeout: float) -> str:
-    """The address the leader's store binds to: ``hostname`` looked up (within
-    ``timeout``), or :func:`_default_host`."""
-    if hostname is None or hostname == "":  # ("": as None, as it always was)
-        return _default_host(timeout)
-    try:
-        return _bind_address(hostname, timeout, "Group.from_torch: hostname")
-    except TimeoutError as e:
-        raise FormationTimeoutError(f"Group.from_torch: hostname: {e}") from None
 
 
 def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
@@ -103,50 +62,8 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
             serve the store (its error is named): they do not wait for torch's timeout.
         and what :meth:`ctrlcomm.Group.create` raises.
     """
-    if not dist.is_initialized():
-        raise InvalidArgumentError("Group.from_torch: torch.distributed is not initialized")
-    t = _timeout_arg(timeout, "Group.from_torch")
-    if t is None:
-        raise InvalidArgumentError("Group.from_torch: timeout must be > 0 seconds, got None")
-    pg = process_group if process_group is not None else dist.group.WORLD
-    rank = dist.get_rank(pg)
-    if rank < 0:
-        raise InvalidArgumentError("Group.from_torch: this rank is not a member of the group")
-    size = dist.get_world_size(pg)
-    leader = dist.get_process_group_ranks(pg)[0]
-    served: tuple[str, int] | None = None  # (the leader's store, as _release_server takes it)
-    info: list[Any] = [None]
-    try:
-        if rank == 0:
-            try:
-                host = _leader_host(hostname, t)
-                server = _acquire_server(host, 0, auth_key_or_env(kwargs.get("auth_key") or None),
-                                         bool(kwargs.get("encrypt")))
-                served = (host, server.port)
-                # (a store on every interface: the members are told this host's address
-                # that reaches them, not 0.0.0.0, which would send each to its own host)
-                info = [(_default_host(t) if _wildcard(host) else host, server.port)]
-            except Exception as e:
-                # the others wait for the address in the broadcast below, up to torch's
-                # timeout (30 minutes by default): they are told instead
-                dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=leader, group=pg)
-                raise
-        dist.broadcast_object_list(info, src=leader, group=pg)
-        if isinstance(info[0], str):
-            raise FormationError(f"Group.from_torch: the group's leader (global rank {leader}) "
-                                 f"could not serve the store: {info[0]}")
-        host, port = info[0]
-        g = Group.create(host, port, rank, size, name=name, timeout=timeout, host_store=False,
-                         **kwargs)
-    except BaseException:
-        if served is not None:  # (the leader's store, taken: given back)
-            _release_server(*served)
-        raise
-    if served is not None:
-        # the leader's group keeps its store, as Group.create's rank 0 does: every rank's
-        # ``group.store`` talks to it until the leader's group is closed
-        g._keep_server(served)
-    return g
+    return Group.from_torch(process_group, hostname=hostname, name=name, timeout=timeout,
+                            **kwargs)
 
 
 def _timedelta(timeout: float | datetime.timedelta) -> datetime.timedelta:
@@ -172,9 +89,7 @@ def init_torch_process_group(group: Any, backend: str = "gloo",
     """
     from torch.distributed import PrefixStore, ProcessGroup, TCPStore  # type: ignore[attr-defined]
 
-    from ._vllm import StatelessProcessGroup
-
-    if isinstance(group, StatelessProcessGroup):
+    if getattr(type(group), "WRAPS_A_GROUP", False):  # (a StatelessProcessGroup: its group)
         group = group.group
     if not isinstance(group, Group):
         raise InvalidArgumentError("init_torch_process_group: group must be a ctrlcomm Group or "
@@ -185,11 +100,11 @@ def init_torch_process_group(group: Any, backend: str = "gloo",
         raise InvalidArgumentError(f"init_torch_process_group: unsupported backend {backend!r}")
     td = _timedelta(timeout)
     rank, size = group.rank, group.world_size
-    ep = group._core.ep
+    address, peers = endpoint_addresses(group)
     store = None
     if rank == 0:
         # (TCPStore's server listens on every interface: the host is not used here)
-        store = TCPStore(_host_of(ep.address), 0, size, True, timeout=td,
+        store = TCPStore(host_of(address), 0, size, True, timeout=td,
                          wait_for_workers=False)
         addr = (store.port, os.urandom(8).hex())
     else:
@@ -198,7 +113,7 @@ def init_torch_process_group(group: Any, backend: str = "gloo",
     if store is None:
         # rank 0's host as this rank reaches its group socket (a rank 0 on every interface
         # published no address of its own: see Group.create)
-        store = TCPStore(_host_of(ep.peers[0]), port, size, False, timeout=td)
+        store = TCPStore(host_of(peers[0]), port, size, False, timeout=td)
     prefix = PrefixStore(f"ctrlcomm/{group.name}/{tag}", store)
     pg = ProcessGroup(prefix, rank, size)
     if backend == "gloo":

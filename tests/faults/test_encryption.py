@@ -109,7 +109,7 @@ def test_encrypt_needs_a_key_and_zeromq():
 
 def test_unencrypted_client_gets_nothing_from_an_encrypted_store():
     from ctrlcomm import StoreClient
-    from ctrlcomm._transport import StoreServer
+    from ctrlcomm.rendezvous._server import StoreServer
 
     with StoreServer("127.0.0.1", 0, auth_key=KEY, encrypt=True) as srv:
         good = StoreClient("127.0.0.1", srv.port, auth_key=KEY, encrypt=True, timeout=5)

@@ -250,13 +250,14 @@ def test_a_running_but_silent_peer_is_waited_for_twelve_liveness_timeouts_at_mos
 
 
 def _state(pid):
-    from ctrlcomm._transport import _proc_stat
+    from ctrlcomm.transport._net import _proc_stat
 
     return _proc_stat(f"/proc/{pid}/stat")[0]
 
 
 def test_running_tells_a_busy_process_from_a_stopped_sleeping_exited_or_other_one():
-    from ctrlcomm._transport import Heartbeat, _proc_stat, proc_address, same_host_procs
+    from ctrlcomm.transport._heartbeat import Heartbeat
+    from ctrlcomm.transport._net import _proc_stat, proc_address, same_host_procs
 
     hb = Heartbeat("127.0.0.1", 1, 0, None, 1.0)
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -308,7 +309,7 @@ def test_running_tells_a_busy_process_from_a_stopped_sleeping_exited_or_other_on
 
 
 def test_catch_up_reads_the_heartbeats_waiting_in_the_socket_without_waiting():
-    from ctrlcomm._transport import Heartbeat
+    from ctrlcomm.transport._heartbeat import Heartbeat
 
     a, b = (Heartbeat("127.0.0.1", 7, r, b"k" * 32, 5.0) for r in (0, 1))
     try:
@@ -331,7 +332,7 @@ def test_a_heartbeat_thread_that_outlives_close_ends_without_an_error(monkeypatc
     """close() waits a second for the heartbeat thread, then closes its socket: in a starved
     process (300 ranks on 2 CPUs) the thread ran on after that and died with a traceback
     (settimeout on the closed socket: EBADF)."""
-    from ctrlcomm._transport import Heartbeat
+    from ctrlcomm.transport._heartbeat import Heartbeat
 
     errors = []
     monkeypatch.setattr(threading, "excepthook", errors.append)
@@ -358,7 +359,7 @@ def test_a_heartbeat_thread_that_outlives_close_ends_without_an_error(monkeypatc
 def test_a_replayed_heartbeat_or_one_made_for_another_rank_is_dropped():
     """A recorded heartbeat sent again (to its rank or another) would keep a stopped peer
     looking alive; one made for another rank does not pass either."""
-    from ctrlcomm._transport import Heartbeat
+    from ctrlcomm.transport._heartbeat import Heartbeat
 
     key = b"k" * 16
     a, b = (Heartbeat("127.0.0.1", 7, r, key, 5.0) for r in (0, 1))
@@ -848,7 +849,7 @@ def test_a_close_from_another_thread_leaves_the_loops_other_readers_working(stor
 
 
 def test_liveness_default_comes_from_the_environment_also_for_the_seed_apis():
-    from ctrlcomm._group import _env_liveness
+    from ctrlcomm._calls import _env_liveness
 
     assert _env_liveness(None) == 5.0 and _env_liveness("12.5") == 12.5
     assert _env_liveness("none") is None and _env_liveness("OFF") is None
@@ -924,7 +925,7 @@ def test_close_takes_effect_even_if_a_call_holding_the_group_never_resumes(store
 def test_a_send_on_a_connection_the_peer_reset_reports_the_reset(path, monkeypatch):
     import struct
 
-    from ctrlcomm._transport import TcpEndpoint
+    from ctrlcomm.transport._tcp import TcpEndpoint
 
     monkeypatch.setenv("CTRLCOMM_LOCAL_SOCKETS", "0")  # plain TCP
     srv = socket.socket()

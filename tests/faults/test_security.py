@@ -15,7 +15,7 @@ import pytest
 
 import ctrlcomm
 from ctrlcomm import _wire as w
-from ctrlcomm._transport import _zmtp_mechanism
+from ctrlcomm.rendezvous._conn import _zmtp_mechanism
 from ctrlcomm.testing import free_port, run_group, run_ranks
 
 KEY = "s3cret-key-for-tests"
@@ -196,11 +196,16 @@ def one_rank_cannot_pickle(g, limit):
     """The pickle codec's twin of one_rank_cannot_encode: only rank 1's object cannot be
     sent (it cannot be pickled, or is larger than a message may carry, here ``limit``
     bytes), which rank 1 finds while sending: it sends the failure in its place."""
+    import importlib
+    import pkgutil
     import threading
 
     import ctrlcomm._core as core
 
-    core.MAX_PAYLOAD = limit
+    for m in pkgutil.iter_modules(core.__path__):  # (each module of the core that reads it)
+        mod = importlib.import_module(f"ctrlcomm._core.{m.name}")
+        if hasattr(mod, "MAX_PAYLOAD"):
+            mod.MAX_PAYLOAD = limit
     r, n = g.rank, g.world_size
     calls = {
         "broadcast": lambda bad: g.broadcast(bad if r == 1 else None, src=1),
@@ -410,9 +415,9 @@ def test_data_only_group_never_unpickles_whatever_the_header_says(tmp_path):
 
 
 def test_binding_every_interface_without_key_warns(caplog, monkeypatch):
-    from ctrlcomm import _transport
+    from ctrlcomm.transport import _net
 
-    monkeypatch.setattr(_transport, "_warned_unkeyed", False)  # (said once per process)
+    monkeypatch.setattr(_net, "_warned_unkeyed", False)  # (said once per process)
     with caplog.at_level(logging.WARNING, logger="ctrlcomm"), \
             ctrlcomm.Group.create("127.0.0.1", free_port(), 0, 1, bind_host="0.0.0.0") as g:
         assert g.all_reduce(1) == 1
@@ -898,14 +903,14 @@ def test_a_new_socket_without_a_watch_on_its_handshakes_is_not_taken(monkeypatch
     a failed handshake.) The old socket stays, and the next send tries again."""
     import zmq
 
-    from ctrlcomm import _transport
+    from ctrlcomm.rendezvous import _conn
 
     with ctrlcomm.StoreServer("127.0.0.1", 0, auth_key=KEY) as srv:  # (see above)
         c = ctrlcomm.StoreClient("127.0.0.1", srv.port, auth_key=KEY, timeout=10)
         c.set("a", "1")
         old = c._conn.sock
         c._conn._stale = True
-        monkeypatch.setattr(_transport, "_monitor", lambda sock, events: None)
+        monkeypatch.setattr(_conn, "_monitor", lambda sock, events: None)
         # nor is it connected: at a keyed store (ROUTER_HANDOVER) its connection, with the
         # client's routing id, took the old socket's replies, lost as the new socket closed
         # (seen once in CI: the get unanswered)

@@ -58,7 +58,7 @@ def test_the_table_says_what_its_columns_are_and_keeps_them_apart():
     """(before: no word on what "x" is; a ratio under 0.05 shown as 0.0x; past 6 digits of
     us the figures ran together: "3796462.2us6002479us1918108us"; p99 with no decimal
     beside a median with one, 17us beside 17.5us)"""
-    from ctrlcomm._bench import fmt_ratio, fmt_us, table
+    from ctrlcomm.bench._run import fmt_ratio, fmt_us, table
 
     assert [fmt_us(v) for v in (17.5, 999.94, 999.96, 3796462.2, 6002479.0)] == \
         ["17.5us", "999.9us", "1.00ms", "3.80s", "6.00s"]
@@ -198,7 +198,8 @@ def test_bench_from_json_rejects_what_a_run_did_not_write(tmp_path):
 
 
 def test_bench_functions_reject_bad_settings_naming_them():
-    from ctrlcomm._bench import check_cfg, parse_size, run_local, run_multihost
+    from ctrlcomm.bench._measure import parse_size
+    from ctrlcomm.bench._run import check_cfg, run_local, run_multihost
 
     ok = {"ops": ["barrier"], "sizes": [8], "iters": 5, "warmup": 0, "repeat": 1}
     check_cfg(ok)
@@ -224,7 +225,7 @@ OPS4 = ("barrier", "all_reduce", "broadcast", "all_gather")
 def test_bench_against_every_baseline_over_two_world_sizes_with_a_plot(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
-    from ctrlcomm._baselines import missing
+    from ctrlcomm.bench._baselines import missing
 
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     p = run("-n", "2,3", "--ops", ",".join(OPS4), "--sizes", "8,1K", "--iters", "6",
@@ -339,7 +340,7 @@ def test_bench_repeat_pools_the_samples_of_alternating_runs(tmp_path):
 
 
 def test_merge_appends_samples_and_weights_cpu():
-    from ctrlcomm._bench import merge, summarize
+    from ctrlcomm.bench._run import merge, summarize
 
     a = [{("barrier", 0): {"times": [1.0, 2.0], "cpu": 1.0}}] * 2
     b = [{("barrier", 0): {"times": [3.0, 4.0, 5.0, 6.0], "cpu": 4.0}}] * 2
@@ -358,7 +359,7 @@ def test_a_ping_pongs_figures_are_those_of_the_two_ranks_that_take_part():
     """send_recv is a ping-pong between ranks 0 and 1: at world 8 the other six ranks' empty
     calls (about 3 us of CPU, 1 us of time) were averaged in (ref25: 21 us of CPU per op
     where ranks 0 and 1 took 95 and 59; median over every rank's time 1 us against 262)."""
-    from ctrlcomm._bench import summarize
+    from ctrlcomm.bench._run import summarize
 
     pair = [{("send_recv", 8): {"times": [4.0, 6.0], "cpu": 2.0}},
             {("send_recv", 8): {"times": [5.0, 5.0], "cpu": 1.0}}]
@@ -388,7 +389,7 @@ def test_bench_ranks_start_numpy_without_a_thread_pool():
     import multiprocessing as mp
 
     pytest.importorskip("numpy")
-    from ctrlcomm import _bench
+    from ctrlcomm.bench import _measure
 
     def spawned() -> int:
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
@@ -396,16 +397,16 @@ def test_bench_ranks_start_numpy_without_a_thread_pool():
 
     if spawned() == 0:  # (one CPU, a numpy without a pool, or the user set the variables)
         pytest.skip("numpy starts no thread here: nothing to check")
-    with _bench.one_thread_pools():
+    with _measure.one_thread_pools():
         assert spawned() == 0
 
 
 def test_one_thread_pools_keeps_what_the_user_set(monkeypatch):
-    from ctrlcomm import _bench
+    from ctrlcomm.bench import _measure
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
-    with _bench.one_thread_pools():
+    with _measure.one_thread_pools():
         assert os.environ["OMP_NUM_THREADS"] == "3"
         assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
     assert os.environ["OMP_NUM_THREADS"] == "3"
@@ -413,7 +414,7 @@ def test_one_thread_pools_keeps_what_the_user_set(monkeypatch):
 
 
 def test_bench_sizes_parse_as_the_issue_writes_them():
-    from ctrlcomm._bench import fmt_size, parse_size
+    from ctrlcomm.bench._measure import fmt_size, parse_size
 
     assert [parse_size(s) for s in ("8", "1K", "64K", "1M", "2MiB", "1.5k", "8B", "1kb")] == [
         8, 1024, 65536, 1 << 20, 2 << 20, 1536, 8, 1024]
@@ -428,7 +429,7 @@ def test_bench_runs_every_op_by_default_blocking_and_awaited(tmp_path):
     p = run("-n", "3", "--sizes", "8,64K", "--iters", "5", "--warmup", "1", "--aio",
             "--json", str(out))
     assert p.returncode == 0, p.stderr
-    from ctrlcomm._bench import DEFAULT_OPS
+    from ctrlcomm.bench._measure import DEFAULT_OPS
 
     rows = json.loads(out.read_text())["results"]
     assert {(r["system"], r["op"], r["size"]) for r in rows} == {
@@ -441,7 +442,8 @@ def test_a_system_whose_run_fails_is_left_out_and_the_rest_reported(monkeypatch)
     import io
     import subprocess as sp
 
-    from ctrlcomm import _baselines, _bench
+    from ctrlcomm.bench import _baselines
+    from ctrlcomm.bench import _run as _bench
 
     def broken(n, cfg):
         raise sp.CalledProcessError(1, ["mpiexec", "-n", str(n)])
@@ -462,7 +464,7 @@ def test_a_failed_run_is_told_in_a_line_per_rank_without_tracebacks():
     """What each failing rank raised, not 25 lines of the bench's own code per rank."""
     import io
 
-    from ctrlcomm import _bench
+    from ctrlcomm.bench import _run as _bench
 
     failed, err = {}, io.StringIO()
     cfg = {"ops": ["barrier"], "sizes": [8], "iters": 5, "warmup": 1, "transport": "bogus"}
@@ -481,7 +483,9 @@ def test_a_failed_run_is_told_in_a_line_per_rank_without_tracebacks():
 
 def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, capsys,
                                                                     tmp_path):
-    from ctrlcomm import _baselines, _bench, _cli
+    from ctrlcomm import _cli
+    from ctrlcomm.bench import _baselines
+    from ctrlcomm.bench import _run as _bench
 
     store_row = {"system": "store", "op": "barrier", "size": 0, "world_size": 2,
                  "median_us": 200.0, "p99_us": 300.0, "cpu_us": 50.0, "cpu_frac": 0.3}
@@ -538,7 +542,7 @@ def test_mpiexec_past_its_timeout_is_killed_with_everything_it_started(tmp_path,
     import subprocess as sp
     import time
 
-    from ctrlcomm import _baselines
+    from ctrlcomm.bench import _baselines
 
     fake = tmp_path / "mpiexec"  # starts a "rank" and waits, as a hung mpiexec would
     fake.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {tmp_path}/rank.pid\nwait\n")
@@ -637,7 +641,7 @@ def test_the_size_check_counts_the_payloads_the_chosen_plan_puts_in_one_message(
     """Refused only what would fail: each op's most payloads in one message, from the plan
     ctrlcomm runs at that world size (it took a gather or all_gather to carry one per rank:
     a 1 GiB gather at world 2, one payload per message, was refused)."""
-    from ctrlcomm._bench import most_per_message, too_large
+    from ctrlcomm.bench._run import most_per_message, too_large
 
     assert [most_per_message("gather", n) for n in (1, 2, 8, 9, 16, 300)] == \
         [0, 1, 1, 4, 8, 128]  # flat up to 8 ranks, then a binomial tree's largest subtree
@@ -659,7 +663,7 @@ def test_the_output_check_opens_no_existing_file_and_leaves_nothing_behind(tmp_p
     there is not opened (a named pipe's reader got an end of file, and the run's own write
     then blocked for ever), and a link is not followed (a dangling one was replaced by a
     file, its target made)."""
-    from ctrlcomm._cli import _writable
+    from ctrlcomm.bench._cli import _writable
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -849,7 +853,7 @@ def test_an_interrupted_mpi_run_leaves_nothing_running():
     import threading
     import time
 
-    from ctrlcomm import _baselines
+    from ctrlcomm.bench import _baselines
 
     if _baselines.missing("mpi"):
         pytest.skip(_baselines.missing("mpi"))
@@ -886,7 +890,7 @@ def test_an_interrupted_mpi_run_leaves_nothing_running():
 def test_the_folders_of_mpi_runs_killed_outright_are_removed_by_a_later_one(tmp_path):
     import time
 
-    from ctrlcomm._baselines import MPI_TMP, STALE_TMP_S, sweep_stale_tmp
+    from ctrlcomm.bench._baselines import MPI_TMP, STALE_TMP_S, sweep_stale_tmp
 
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()  # (a pid that runs no more)
@@ -920,7 +924,7 @@ def test_an_mpi_run_ends_with_a_bench_killed_outright():
     import signal
     import time
 
-    from ctrlcomm import _baselines
+    from ctrlcomm.bench import _baselines
 
     if _baselines.missing("mpi"):
         pytest.skip(_baselines.missing("mpi"))
@@ -942,7 +946,7 @@ def test_an_mpi_run_ends_with_a_bench_killed_outright():
                         names.append(f.read())
                 except OSError:
                     pass
-            if sum(b"_bench_mpi" in n and b"mpiexec" not in n for n in names) >= 2:
+            if sum(b"bench._mpi" in n and b"mpiexec" not in n for n in names) >= 2:
                 break
             time.sleep(0.1)
         else:
@@ -1045,7 +1049,7 @@ class _Stream:
 
 
 def test_the_progress_bar_redraws_on_a_terminal_and_writes_a_line_per_tenth_elsewhere():
-    from ctrlcomm._bench import _Progress
+    from ctrlcomm.bench._run import _Progress
 
     log = _Stream(tty=False)  # a pipe, a log file, CI
     bar = _Progress(37, log)
@@ -1098,7 +1102,7 @@ def test_without_numpy_large_all_reduce_is_refused_before_running_and_mpi_is_ski
 def test_a_failed_mpi_run_says_what_its_ranks_said(tmp_path, monkeypatch):
     import subprocess as sp
 
-    from ctrlcomm import _baselines
+    from ctrlcomm.bench import _baselines
 
     if _baselines.mpiexec() is None:
         pytest.skip("no mpiexec")
@@ -1109,7 +1113,7 @@ def test_a_failed_mpi_run_says_what_its_ranks_said(tmp_path, monkeypatch):
 
 
 def test_p99_is_the_nearest_rank_percentile():
-    from ctrlcomm._bench import _p99
+    from ctrlcomm.bench._run import _p99
 
     # (it was the sample at int(0.99 n): of 100, the largest; of 1000, the 991st)
     assert _p99(list(range(1, 101))) == 99 and _p99(list(range(1, 1001))) == 990

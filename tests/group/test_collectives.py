@@ -891,7 +891,8 @@ def reads_of_a_flood(g):
     """Rank 0 floods rank 1 with small messages, then (after a barrier) sends 1 MiB; rank 1,
     late, takes them while recording how many bytes each read of its socket held (TcpEndpoint's reads go
     through StreamDecoder.messages)."""
-    from ctrlcomm import _transport, _wire
+    from ctrlcomm import _wire
+    from ctrlcomm.transport import _tcp
 
     if g.rank == 0:
         for i in range(20_000):
@@ -915,7 +916,7 @@ def reads_of_a_flood(g):
     big = g.recv(0)
     c = next(c for c in g._core.ep.conns.values() if c.inbound and c.rank == 0)
     g.barrier()
-    return ok, during, len(big), c.rsize, _transport.FLOOD_READ, _transport.READ_CHUNK
+    return ok, during, len(big), c.rsize, _tcp.FLOOD_READ, _tcp.READ_CHUNK
 
 
 def test_a_flood_of_small_messages_is_read_in_small_reads():
@@ -1658,7 +1659,7 @@ def test_an_address_is_refused_only_where_nothing_listens():
     # is there but slow, whose queue is lingered for)
     import socket
 
-    from ctrlcomm._transport import _refused
+    from ctrlcomm.transport._net import _refused
 
     with socket.socket() as ls:
         ls.bind(("127.0.0.1", 0))

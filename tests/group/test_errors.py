@@ -101,9 +101,15 @@ def test_a_rank_told_of_a_mismatch_before_it_asked_says_what_the_teller_was_doin
 
 def monkeypatch_first_probe(seconds):
     """(In a rank's own process: its collectives ask the ranks they wait for after this.)"""
-    import ctrlcomm._core
+    import importlib
+    import pkgutil
 
-    ctrlcomm._core.FIRST_PROBE = seconds
+    import ctrlcomm._core as core
+
+    for m in pkgutil.iter_modules(core.__path__):  # (each module of the core that reads it)
+        mod = importlib.import_module(f"ctrlcomm._core.{m.name}")
+        if hasattr(mod, "FIRST_PROBE"):
+            mod.FIRST_PROBE = seconds
 
 
 def unseen_mismatch(g, kind, late, long):
@@ -1418,14 +1424,14 @@ def joins_then_dies(rank, size, port, flag):
     import pathlib
     import signal
 
-    from ctrlcomm import _group
+    from ctrlcomm.rendezvous import _formation
 
     if rank == 2:
         def die(*args, **kwargs):  # (what a rank does once its key is set)
             pathlib.Path(flag).touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
-        _group._join = die
+        _formation._join = die
     elif rank == 1:
         while not os.path.exists(flag):
             time.sleep(0.01)
@@ -1696,7 +1702,7 @@ def test_ranks_of_different_wire_versions_are_told_so_at_formation(older):
 
 
 def test_a_rank_of_a_release_without_wire_versions_differs_too():
-    from ctrlcomm._group import _differ
+    from ctrlcomm.rendezvous._formation import _differ
 
     new, old = "tcp://a 1 ws:2 codec:1 tr:tcp wire:2", "tcp://b 2 ws:2 codec:1 tr:tcp"
     assert "rank 1 with wire version ?" in _differ("g", new, {1: old})

@@ -26,7 +26,7 @@ def families(rank, size, port, mode):
 @pytest.mark.parametrize("mode", ["1", "0", "auto"])
 @pytest.mark.parametrize("size", [2, 3])
 def test_same_host_peers_use_unix_sockets_when_ranks_outnumber_cpus(mode, size):
-    from ctrlcomm._transport import _cpus
+    from ctrlcomm.transport._net import _cpus
 
     res = run_ranks(families, size, free_port(), mode)
     local = mode == "1" or (mode == "auto" and size > _cpus())
@@ -43,7 +43,7 @@ def spare_cpu(rank, size, port):
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_awaited_waits_look_twice_only_where_each_rank_has_a_cpu(size):
-    from ctrlcomm._transport import _cpus
+    from ctrlcomm.transport._net import _cpus
 
     for spare, knows_its_host in run_ranks(spare_cpu, size, free_port()):
         # (which ranks share the host is known from the Unix addresses they publish)
@@ -51,7 +51,7 @@ def test_awaited_waits_look_twice_only_where_each_rank_has_a_cpu(size):
 
 
 def test_local_socket_rule():
-    from ctrlcomm._transport import use_local_sockets
+    from ctrlcomm.transport._net import use_local_sockets
 
     assert not use_local_sockets(2, 2) and not use_local_sockets(8, 64)
     assert use_local_sockets(3, 2) and use_local_sockets(8, 2)
@@ -160,7 +160,7 @@ def test_a_unix_connection_that_fails_falls_back_to_tcp():
 
 
 def other_users_host_id(q):
-    from ctrlcomm import _transport as t
+    from ctrlcomm.transport import _net as t
 
     t._host_id = None
     os.setgid(65534)
@@ -172,7 +172,7 @@ def other_users_host_id(q):
 def test_other_users_have_another_host_id():
     import multiprocessing as mp
 
-    from ctrlcomm._transport import host_id
+    from ctrlcomm.transport._net import host_id
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -288,7 +288,7 @@ def closed_during_the_turn(g):
 
 
 def test_group_closed_while_an_awaited_wait_gives_the_loop_a_turn():
-    from ctrlcomm._transport import _cpus
+    from ctrlcomm.transport._net import _cpus
 
     (err, spare, knows_its_host), _ = run_group(closed_during_the_turn, 2)
     assert "closed" in err, err

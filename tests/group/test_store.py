@@ -585,7 +585,7 @@ def test_a_lookup_where_no_thread_can_start_is_made_in_the_caller(dns, monkeypat
     for a thread that never ran, until its deadline)"""
     import socket
 
-    from ctrlcomm import _transport
+    from ctrlcomm.transport import _net
 
     start = threading.Thread.start
 
@@ -595,19 +595,19 @@ def test_a_lookup_where_no_thread_can_start_is_made_in_the_caller(dns, monkeypat
         start(self)
 
     monkeypatch.setattr(threading.Thread, "start", refused)
-    assert _transport.resolve("localhost", 1) == "127.0.0.1"
+    assert _net.resolve("localhost", 1) == "127.0.0.1"
     with pytest.raises(socket.gaierror, match="not known"):  # (as from the thread)
-        _transport.resolve("no.such.host.invalid", 1)
-    assert not _transport._lookups
+        _net.resolve("no.such.host.invalid", 1)
+    assert not _net._lookups
     monkeypatch.setattr(threading.Thread, "start", start)
-    assert _transport.resolve("localhost", 1) == "127.0.0.1"
+    assert _net.resolve("localhost", 1) == "127.0.0.1"
 
 
 @pytest.mark.parametrize("timeout", [float("inf"), 1e10])
 def test_a_name_is_looked_up_under_a_timeout_too_long_for_a_thread_to_wait(timeout):
     """(threading's waits take at most TIMEOUT_MAX, 9.2e9 s here: before, such a timeout
     raised OverflowError wherever the lookup had not returned before the wait began)"""
-    from ctrlcomm._transport import resolve
+    from ctrlcomm.transport._net import resolve
 
     for _ in range(3):
         assert resolve("localhost", timeout) == "127.0.0.1"
@@ -617,7 +617,7 @@ def test_a_name_is_looked_up_under_a_timeout_too_long_for_a_thread_to_wait(timeo
 
 def test_callers_of_one_name_share_its_lookup_and_each_keeps_its_deadline(dns):
     """A resolver that hangs holds one thread per name, however many tries wait on it."""
-    from ctrlcomm._transport import resolve
+    from ctrlcomm.transport._net import resolve
 
     def lookups():
         return [t for t in threading.enumerate() if t.name == "ctrlcomm-resolve-slow.example"]

@@ -217,7 +217,7 @@ def test_a_name_the_hosts_file_gives_an_ipv6_address_alone_resolves_while_dns_is
     query for any family, which the hosts file answers, was not made)"""
     got = in_dark(dark_dns, """
         import socket
-        from ctrlcomm._transport import resolve
+        from ctrlcomm.transport._net import resolve
         ipv4 = attempt(lambda: socket.getaddrinfo("down.v6only.example", None,
                                                   socket.AF_INET))
 

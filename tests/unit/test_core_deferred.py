@@ -4,18 +4,28 @@ one after the other, never one inside the other.
 The core runs against an in-memory endpoint that records what is sent: this tests the
 order of the core's steps, not communication (tests/faults does that with real ranks)."""
 
-import threading
 
 from ctrlcomm import _wire as w
 from ctrlcomm._core import Core
+from ctrlcomm._endpoint import IoLock
 
 
 class RecordingEndpoint:
     STREAM = True
+    EXPRESS = False
     key = None
 
+    def attach(self, sink, on_lost, key, me):
+        self.sink, self.on_lost, self.key, self.me = sink, on_lost, key, me
+
+    def set_hello(self, hello):
+        pass
+
+    def send_last(self, dst, frames):
+        self.send(dst, frames)
+
     def __init__(self, during_first_send):
-        self.io, self.held_async = threading.RLock(), False
+        self.io, self.held_async = IoLock(), False
         self.closed = False
         self.unflushed = set()
         self.log = []

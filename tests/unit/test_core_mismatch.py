@@ -11,16 +11,31 @@ import pytest
 
 import ctrlcomm
 from ctrlcomm import _wire as w
-from ctrlcomm._core import MISMATCH_PREFIX, Core
+from ctrlcomm._core import Core
+from ctrlcomm._endpoint import IoLock
 from ctrlcomm._group import Group
 
 GID = 7
 
 
 class ScriptedEndpoint:
+    io = IoLock()  # (the sockets' lock: see ctrlcomm._endpoint.IoLock)
     STREAM = True
+    EXPRESS = False
     closed = False
     key = None
+
+    def attach(self, sink, on_lost, key, me):
+        self.sink, self.on_lost, self.key, self.me = sink, on_lost, key, me
+
+    def set_hello(self, hello):
+        pass
+
+    def send_last(self, dst, frames):
+        self.send(dst, frames)
+
+    def push(self, budget_s):
+        pass
 
     def __init__(self, batches, unflushed=False):
         self.batches = list(batches)
@@ -59,6 +74,20 @@ class ScriptedEndpoint:
         pass
 
 
+
+def patch_clock(monkeypatch, clock):
+    """The core's clock, in each of its modules that reads it."""
+    import importlib
+    import pkgutil
+
+    import ctrlcomm._core as core
+
+    names = [f"ctrlcomm._core.{m.name}" for m in pkgutil.iter_modules(core.__path__)]
+    for name in [*names, "ctrlcomm._aio"]:  # (and the asyncio driver's fairness)
+        mod = importlib.import_module(name)
+        if hasattr(mod, "_monotonic"):
+            monkeypatch.setattr(mod, "_monotonic", clock)
+
 def group(rank, size, endpoint):
     core = Core(name="g", rank=rank, size=size, group_id=GID, endpoint=endpoint,
                 codec=w.PICKLE, key=b"k" * 32, timeout=5.0)
@@ -80,7 +109,7 @@ def all_reduce_from(src, seq):
 def test_a_told_mismatch_read_with_the_calls_last_message_fails_the_call():
     """Rank 1 waits for rank 2's broadcast; one read brings rank 0's report of a mismatch
     and then rank 2's message: the call raises, it does not return rank 2's object."""
-    told = w.Message(w.ABORT, 0, GID, 0, 0, payload=(MISMATCH_PREFIX + "ranks differ").encode())
+    told = w.Message(w.ABORT, 0, GID, 0, 0, payload=w.AbortReason(w.ABORT_MISMATCH, "ranks differ").encode())
     g = group(1, 3, ScriptedEndpoint([[told, bcast_from(2, 0, "hello")]]))
     with pytest.raises(ctrlcomm.MismatchError, match=r"ranks differ \(reported by rank 0\)"):
         g.broadcast(None, src=2)
@@ -91,7 +120,7 @@ def test_a_late_mismatch_read_after_the_group_broke_still_fails_the_call():
     """Rank 1 broadcast as root in #0 and returned (its look at what had come in, before it
     sent, found nothing); in #1 one read brings a mismatch rank 0 reported, rank 0's message
     of #0 naming another root, and rank 2's of #1."""
-    told = w.Message(w.ABORT, 0, GID, 0, 0, payload=(MISMATCH_PREFIX + "elsewhere").encode())
+    told = w.Message(w.ABORT, 0, GID, 0, 0, payload=w.AbortReason(w.ABORT_MISMATCH, "elsewhere").encode())
     ep = ScriptedEndpoint([[], [told, bcast_from(0, 0, "x"), bcast_from(2, 1, "y")]])
     g = group(1, 3, ep)
     assert g.broadcast("mine", src=1) == "mine"  # #0: a root sends and returns
@@ -111,7 +140,7 @@ def test_a_mismatch_read_while_a_root_sends_fails_its_call():
 def test_a_mismatch_found_at_a_deadline_is_told_as_one_to_a_rank_in_that_call():
     desc = "collective #0 mismatch on group 'g': rank 0 called all_reduce(op='sum'); ..."
     told = w.Message(w.ABORT, 0, GID, 0, w.ABORT_BY_PROBE,
-                     payload=(MISMATCH_PREFIX + desc).encode())
+                     payload=w.AbortReason(w.ABORT_MISMATCH, desc).encode())
     g = group(1, 3, ScriptedEndpoint([[told]]))
     with pytest.raises(ctrlcomm.MismatchTimeoutError) as e:
         g.broadcast(None, src=0)
@@ -169,7 +198,7 @@ def test_a_waiting_collective_asks_early_then_less_and_less_often(monkeypatch):
     then shortly before its 20 s deadline, and times out then (a plain timeout: nobody
     answered)."""
     clock = Clock()
-    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    patch_clock(monkeypatch, clock)
     ep = ProbedEndpoint(clock)
     g = group(1, 2, ep)
     with pytest.raises(ctrlcomm.CollectiveTimeoutError) as e:
@@ -185,7 +214,7 @@ def test_an_answer_of_another_call_at_this_seq_raises_the_mismatch_at_once(monke
     while this rank waits in broadcast(root=0) #0: a mismatch and a timeout, raised then,
     19 s before the deadline, and told to the others."""
     clock = Clock()
-    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    patch_clock(monkeypatch, clock)
     ep = ProbedEndpoint(clock, {0: [status_from(0, 0, "gather", 0, flag)]})
     told = []
     g = group(1, 3, ep)
@@ -213,7 +242,7 @@ def test_an_answer_that_shows_no_mismatch_lets_the_call_wait_on(monkeypatch, ans
     mismatch: the call goes on waiting and completes when the message comes."""
     opname, root, dseq = answer
     clock = Clock()
-    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    patch_clock(monkeypatch, clock)
     ep = ProbedEndpoint(clock, {
         1: [status_from(0, 1 + dseq, opname, root, w.STATUS_IN_CALL)],
         2: [bcast_from(0, 1, "late but here")]})
@@ -228,7 +257,7 @@ def test_the_error_names_every_rank_whose_answer_showed_another_call(monkeypatch
     rank 1 is in a gather, rank 2 returned from one, rank 3 is in this all_reduce (waiting
     for rank 0: no mismatch). One read brings the three answers: the error names 1 and 2."""
     clock = Clock()
-    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    patch_clock(monkeypatch, clock)
     ep = ProbedEndpoint(clock, {0: [status_from(1, 0, "gather", 0, w.STATUS_IN_CALL)],
                                 1: [status_from(2, 0, "gather", 0, w.STATUS_RETURNED)],
                                 2: [status_from(3, 0, "all_reduce", w.NO_ROOT,
@@ -245,7 +274,7 @@ def test_the_error_names_every_rank_whose_answer_showed_another_call(monkeypatch
 
 def test_a_call_without_a_deadline_asks_early_too(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    patch_clock(monkeypatch, clock)
     ep = ProbedEndpoint(clock, {0: [status_from(0, 0, "gather", 0, w.STATUS_IN_CALL)]})
     g = group(1, 2, ep)
     monkeypatch.setattr(g._core, "_tell_peers", lambda *a, **k: None)
@@ -260,7 +289,7 @@ def test_each_call_asks_on_its_own_schedule_and_shows_only_its_own_answers(monke
     that, and at its deadline rank 0's state is not the answer #0 read. Nor when call #2 is
     told of a mismatch before it asked anyone."""
     clock = Clock()
-    monkeypatch.setattr("ctrlcomm._core._monotonic", clock)
+    patch_clock(monkeypatch, clock)
     ep = ProbedEndpoint(clock, {
         0: [status_from(0, 0, "broadcast", 0, w.STATUS_IN_CALL)],
         1: [bcast_from(0, 0, "first")]})
@@ -277,7 +306,7 @@ def test_each_call_asks_on_its_own_schedule_and_shows_only_its_own_answers(monke
     g = group(1, 2, ep)
     assert g.broadcast(None, src=0, timeout=20.0) == "first"
     ep.answers_due = [w.Message(w.ABORT, 0, GID, 1, w.ABORT_BY_PROBE,
-                                payload=(MISMATCH_PREFIX + "#1 differs").encode())]
+                                payload=w.AbortReason(w.ABORT_MISMATCH, "#1 differs").encode())]
     with pytest.raises(ctrlcomm.MismatchTimeoutError) as e:
         g.broadcast(None, src=0, timeout=20.0)
     assert e.value.peer_states[0].startswith("not asked"), e.value.peer_states

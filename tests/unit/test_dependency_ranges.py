@@ -8,7 +8,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # the test extra's tools: tested at their newest only (they change no result of ctrlcomm's)
-TOOLS = {"pytest", "pytest-timeout", "hypothesis", "atheris"}
+TOOLS = {"pytest", "pytest-timeout", "hypothesis", "atheris", "ruff", "mypy", "import-linter"}
 
 tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
 

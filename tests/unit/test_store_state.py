@@ -3,7 +3,7 @@
 import itertools
 
 from ctrlcomm import _wire as w
-from ctrlcomm._store import StoreState
+from ctrlcomm.rendezvous._state import StoreState
 
 _ids = itertools.count(100)
 
@@ -151,7 +151,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from ctrlcomm._store import StoreLimits, _formation  # noqa: E402
+from ctrlcomm.rendezvous._state import StoreLimits, _formation  # noqa: E402
 
 NS = b"ctrlcomm/g/ctrlcomm:formation/"
 

@@ -10,7 +10,8 @@ import pytest
 
 from ctrlcomm import _wire as w
 from ctrlcomm._core import Core
-from ctrlcomm._transport import TcpEndpoint
+from ctrlcomm._endpoint import IoLock
+from ctrlcomm.transport._tcp import TcpEndpoint
 
 
 def test_sends_queued_behind_a_full_socket_keep_their_order_and_go_straight_again(monkeypatch):
@@ -69,7 +70,9 @@ def test_sends_queued_behind_a_full_socket_keep_their_order_and_go_straight_agai
 class Capture:
     """An endpoint that keeps what is sent (the core's framing, without sockets)."""
 
+    io = IoLock()  # (the sockets' lock: see ctrlcomm._endpoint.IoLock)
     STREAM = True
+    EXPRESS = False
     closed = False
     unflushed: frozenset[int] = frozenset()
 
@@ -77,6 +80,12 @@ class Capture:
         self.framed: list[tuple[list[int], bytes]] = []
         self.many: list[tuple[list[int], list[bytes]]] = []
         self.signed: list[tuple[int, list[bytes]]] = []
+
+    def attach(self, sink, on_lost, key, me):
+        pass
+
+    def set_hello(self, hello):
+        pass
 
     def send_framed(self, dsts, data):
         self.framed += [([d], bytes(one)) for d, one in zip(dsts, data, strict=True)]
@@ -181,7 +190,7 @@ def test_a_store_request_resent_after_a_stale_reply_is_still_the_request(monkeyp
     # plays the store, on loopback.
     import zmq
 
-    from ctrlcomm import _transport as t
+    from ctrlcomm.rendezvous import _conn as t
 
     monkeypatch.setattr(t, "STORE_RESEND_S", 0.2)
     ctx = zmq.Context.instance()
@@ -219,7 +228,7 @@ def test_a_store_request_resent_after_a_stale_reply_is_still_the_request(monkeyp
 
 
 def test_the_auth_key_fallback_takes_the_given_key_else_a_set_environment_variable(monkeypatch):
-    from ctrlcomm._transport import auth_key_or_env
+    from ctrlcomm.transport._net import auth_key_or_env
 
     monkeypatch.setenv("CTRLCOMM_AUTH_KEY", "from-env")
     assert auth_key_or_env("given") == b"given"

@@ -483,3 +483,87 @@ def test_the_store_stream_drops_a_message_larger_than_its_room_as_it_comes(msgs,
             else w.Skipped(m[0] if len(m[0]) <= w.SKIP_KEEP else b"", max(map(len, m)))
             for m in msgs]
     assert got == want
+
+
+# --------------------------------------------------------------------- control payloads
+
+_OWN_TEXT = st.text(max_size=40).filter(lambda t: not t.startswith(("\x00lost:", "\x00mismatch:")))
+
+
+@given(st.one_of(
+    st.builds(w.AbortReason, st.just(w.ABORT_OWN), _OWN_TEXT, st.just(())),
+    st.builds(w.AbortReason, st.just(w.ABORT_MISMATCH), st.text(max_size=40), st.just(())),
+    st.builds(w.AbortReason, st.just(w.ABORT_LOST), st.text(max_size=40),
+              st.lists(st.integers(0, 10**6), max_size=5).map(tuple))))
+def test_an_abort_reason_reads_back_as_it_was_said(reason):
+    assert w.decode_abort(reason.encode()) == reason
+
+
+@given(st.binary(max_size=120))
+def test_any_abort_payload_reads_as_some_reason(data):
+    got = w.decode_abort(data)
+    assert got.kind in (w.ABORT_OWN, w.ABORT_LOST, w.ABORT_MISMATCH)
+    assert isinstance(got.text, str) and all(type(r) is int and r >= 0 for r in got.ranks)
+    if got.kind == w.ABORT_OWN:
+        assert got.text == data.decode(errors="replace")
+
+
+def test_an_abort_of_earlier_releases_reads_the_same():
+    """(What a peer of the same wire version sends: the marks are part of the format.)"""
+    assert w.decode_abort(b"\x00lost:1,x,2|rank 1 is gone") == \
+        w.AbortReason(w.ABORT_LOST, "rank 1 is gone", (1, 2))
+    assert w.decode_abort(b"\x00mismatch:#3 differs") == w.AbortReason(w.ABORT_MISMATCH, "#3 differs")
+    assert w.decode_abort(b"watchdog") == w.AbortReason(w.ABORT_OWN, "watchdog")
+
+
+_FIELD = st.from_regex(r"\A[a-z]{1,6}:[!-~]{0,12}\Z")
+
+
+@given(st.from_regex(r"\Atcp://[!-~]{1,20}\Z"), st.integers(0, 65535),
+       st.lists(_FIELD, max_size=8).map(tuple))
+def test_an_address_record_reads_back_as_it_was_written(endpoint, port, fields):
+    rec = w.AddressRecord(endpoint, port, fields)
+    assert w.decode_address(rec.encode()) == rec
+
+
+@given(st.text(max_size=120))
+def test_any_address_line_decodes_or_raises_wire_error(text):
+    try:
+        rec = w.decode_address(text)
+    except WireError:
+        return
+    assert rec.encode() == text and 0 <= rec.udp_port <= 65535
+
+
+def test_an_address_record_names_its_fields():
+    rec = w.decode_address("tcp://10.0.0.1:5000 6000 unix:x@h proc:k:1:2 ws:4 codec:pickle "
+                           "tr:tcp wire:4 join:ab12 later:field")
+    assert (rec.endpoint, rec.udp_port) == ("tcp://10.0.0.1:5000", 6000)
+    assert rec.value("proc") == "k:1:2" and rec.value("join") == "ab12" and rec.value("no") == ""
+    assert rec.named("unix", "curve") == ["unix:x@h"]
+    assert rec.alike() == {"ws": "4", "codec": "pickle", "tr": "tcp", "wire": "4"}
+    for bad in ("", "tcp://h:1", "tcp://h:1 port", "tcp://h:1 70000", "tcp://h:1 5 novalue",
+                "tcp://h:1 5  ws:2"):
+        with pytest.raises(WireError):
+            w.decode_address(bad)
+
+
+@given(st.binary(max_size=200), st.integers(0, 3), st.binary(max_size=40))
+def test_the_usual_message_expected_is_found_only_where_it_is(payload, dst, tail):
+    key = b"k" * 32
+    one, = w.stream_messages([dst], w.COLL, 2, 77, 5, 1, 0x21, w.NO_ROOT, w.PICKLE, payload, key)
+    head = w.usual_header(w.COLL, 0x21, 2, 77, 5, 1, w.NO_ROOT)
+    buf = bytearray(one + tail)
+    end = w.usual_expected(buf, len(buf), head, key, dst)
+    assert end == len(one) and bytes(buf[w.EXPRESS_SIZE:end - w.MAC_SIZE]) == payload
+    # another call's, or another rank's MAC, or a read cut before its end: not it
+    other = w.usual_header(w.COLL, 0x21, 2, 77, 6, 1, w.NO_ROOT)
+    assert w.usual_expected(buf, len(buf), other, key, dst) == 0
+    assert w.usual_expected(buf, len(buf), head, key, dst + 1) == 0
+    assert w.usual_expected(buf, len(one) - 1, head, key, dst) == 0
+
+
+@given(st.binary(max_size=300))
+def test_no_garbage_is_taken_for_the_usual_message(data):
+    head = w.usual_header(w.COLL, 1, 0, 1, 0, 0, w.NO_ROOT)
+    assert w.usual_expected(bytearray(data), len(data), head, b"k" * 32, 0) == 0

@@ -300,9 +300,50 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     reaches every process of its group: the caller stops the ranks instead), Python's
     start-up included, during which SIGINT stays blocked.
     """
-    def make(forked: bool) -> tuple[Any, list[Any]]:
+    run = _Run(fn, world_size, args, kwargs, timeout, start_method, may_die, ignore_sigint)
+    try:
+        run.start()
+        while len(run.results) < world_size:
+            ok = run.take()
+            if ok or (ok is False and not fail_fast):  # (the checks below: when none came,
+                continue  # or a failure with fail_fast)
+            if kill_after_results:
+                run.kill_may_die_once_others_reported()
+            run.note_exited()
+            if fail_fast and run.stop_at_first_failure():  # (later ones may be its
+                break  # consequences)
+            if time.monotonic() > run.deadline:
+                for r in range(world_size):
+                    run.results.setdefault(r, (False, f"still running after {timeout:g} s"))
+                break
+    except BaseException:  # Ctrl-C, SIGTERM made an exception, a result that cannot be read
+        run.kill()  # the ranks are not waited for: stopped at once
+        raise
+    finally:
+        run.reap()
+    failures = {r: str(out) for r, (ok, out) in sorted(run.results.items()) if not ok}
+    if failures:
+        text = "\n".join(f"--- rank {r}: {msg}" for r, msg in failures.items())
+        raise RankFailedError(f"{len(failures)} of {world_size} ranks failed:\n{text}", failures)
+    return [run.results[r][1] for r in range(world_size)]
+
+
+class _Run:
+    """The processes of one :func:`run_ranks` call and what they reported."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], timeout: float, start_method: str | None,
+                 may_die: tuple[int, ...], ignore_sigint: bool) -> None:
+        self.fn, self.world_size, self.args, self.kwargs = fn, world_size, args, kwargs
+        self.start_method, self.may_die, self.ignore_sigint = start_method, may_die, ignore_sigint
+        self.forked = start_method is None and not ignore_sigint and _fork_server()
+        self.q, self.procs = self._make(self.forked)
+        self.results: dict[int, tuple[bool, Any]] = {}
+        self.deadline = time.monotonic() + timeout
+
+    def _make(self, forked: bool) -> tuple[Any, list[Any]]:
         """The queue and the processes: forks of the server, or by ``start_method``."""
-        ctx: Any = mp.get_context("forkserver" if forked else start_method or "spawn")
+        ctx: Any = mp.get_context("forkserver" if forked else self.start_method or "spawn")
         q = ctx.Queue()
         # (the death signal follows the thread that started a process: only the main
         # thread's ranks are tied to it; under forkserver a rank's parent is the server,
@@ -316,91 +357,85 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             parent = os.getpid()
         given = _Given() if forked else None
         return q, [ctx.Process(target=_child, daemon=True,
-                               args=(fn, r, world_size, args, kwargs, q, parent,
-                                     ignore_sigint, given))
-                   for r in range(world_size)]
+                               args=(self.fn, r, self.world_size, self.args, self.kwargs, q,
+                                     parent, self.ignore_sigint, given))
+                   for r in range(self.world_size)]
 
-    forked = start_method is None and not ignore_sigint and _fork_server()
-    q, procs = make(forked)
-    results: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout
-    failures: dict[int, str] = {}
-    try:
-        if forked:
+    def start(self) -> None:
+        if self.forked:
             try:
-                procs[0].start()
+                self.procs[0].start()
             except Exception:  # the server could not start one: a preload that raised, say
                 with _server_lock:
                     _server["failed"] = True
-                q.close()
-                q, procs = make(False)
-        with _sigint_held(ignore_sigint):
-            for p in procs:
+                self.q.close()
+                self.q, self.procs = self._make(False)
+        with _sigint_held(self.ignore_sigint):
+            for p in self.procs:
                 if p.pid is None:
                     p.start()
-        while len(results) < world_size:
-            try:
-                rank, ok, out = q.get(timeout=0.2)
-                results[rank] = (ok, out)  # (in the order they come: see fail_fast below)
-                if ok or not fail_fast:
-                    continue
-            except queue.Empty:
-                pass
-            except (OSError, EOFError) as e:  # a result that cannot be rebuilt here
-                raise RankFailedError(
-                    f"a rank's result could not be received: {e!r} (results must be plain "
-                    "picklable data: torch tensors, for one, cannot outlive their process "
-                    "through a multiprocessing queue)", {}) from e
-            if kill_after_results and all(r in results for r in range(world_size)
-                                          if r not in may_die):
-                for r in may_die:
-                    if r not in results and procs[r].pid is not None:
-                        procs[r].kill()
-                        results[r] = (True, None)
-            for r, p in enumerate(procs):
-                if r not in results and p.exitcode is not None and q.empty():
-                    # allow the queue's feeder thread a moment to deliver
-                    time.sleep(0.2)
-                    if q.empty() and r not in results:
-                        results[r] = (r in may_die, None if r in may_die else
-                                      f"exited with code {p.exitcode} and no result")
-            if fail_fast:  # the first failure to come (later ones may be its consequences)
-                first = next((r for r, (ok, _) in results.items() if not ok), None)
-                if first is not None:
-                    for r, p in enumerate(procs):
-                        if r not in results:
-                            results[r] = (False, f"stopped: rank {first} failed first")
-                            if p.is_alive() and p.pid is not None:
-                                p.kill()
-                    break
-            if time.monotonic() > deadline:
-                for r in range(world_size):
-                    if r not in results:
-                        results[r] = (False, f"still running after {timeout:g} s")
-                break
-    except BaseException:  # Ctrl-C, SIGTERM made an exception, a result that cannot be read
-        for p in procs:  # the ranks are not waited for: stopped at once
+
+    def take(self) -> bool | None:
+        """A rank's result, where one comes within 0.2 s: whether it is one (None: none
+        came)."""
+        try:
+            rank, ok, out = self.q.get(timeout=0.2)
+        except queue.Empty:
+            return None
+        except (OSError, EOFError) as e:  # a result that cannot be rebuilt here
+            raise RankFailedError(
+                f"a rank's result could not be received: {e!r} (results must be plain "
+                "picklable data: torch tensors, for one, cannot outlive their process "
+                "through a multiprocessing queue)", {}) from e
+        self.results[rank] = (ok, out)  # (in the order they come: see stop_at_first_failure)
+        return bool(ok)
+
+    def kill_may_die_once_others_reported(self) -> None:
+        if all(r in self.results for r in range(self.world_size) if r not in self.may_die):
+            for r in self.may_die:
+                if r not in self.results and self.procs[r].pid is not None:
+                    self.procs[r].kill()
+                    self.results[r] = (True, None)
+
+    def note_exited(self) -> None:
+        """Ranks that exited without a result."""
+        for r, p in enumerate(self.procs):
+            if r not in self.results and p.exitcode is not None and self.q.empty():
+                # allow the queue's feeder thread a moment to deliver
+                time.sleep(0.2)
+                if self.q.empty() and r not in self.results:
+                    dies = r in self.may_die
+                    self.results[r] = (dies, None if dies else
+                                       f"exited with code {p.exitcode} and no result")
+
+    def stop_at_first_failure(self) -> bool:
+        """Where a rank failed: the others stopped (True)."""
+        first = next((r for r, (ok, _) in self.results.items() if not ok), None)
+        if first is None:
+            return False
+        for r, p in enumerate(self.procs):
+            if r not in self.results:
+                self.results[r] = (False, f"stopped: rank {first} failed first")
+                if p.is_alive() and p.pid is not None:
+                    p.kill()
+        return True
+
+    def kill(self) -> None:
+        for p in self.procs:
             if p.is_alive() and p.pid is not None:
                 p.kill()
-        raise
-    finally:
+
+    def reap(self) -> None:
         # (Process.kill: a rank that ended since is_alive() said it ran, reaped by the fork
         # server, is no longer there, and kill() takes ProcessLookupError as that)
-        for p in procs:
+        for p in self.procs:
             if p.pid is None:  # never started (interrupted before)
                 continue
-            p.join(timeout=max(0.0, min(5.0, deadline + 5 - time.monotonic())))
+            p.join(timeout=max(0.0, min(5.0, self.deadline + 5 - time.monotonic())))
             if p.is_alive() and p.pid is not None:
                 p.kill()
                 p.join(5)
-        q.close()
-    for r, (ok, out) in sorted(results.items()):
-        if not ok:
-            failures[r] = str(out)
-    if failures:
-        text = "\n".join(f"--- rank {r}: {msg}" for r, msg in failures.items())
-        raise RankFailedError(f"{len(failures)} of {world_size} ranks failed:\n{text}", failures)
-    return [results[r][1] for r in range(world_size)]
+        self.q.close()
 
 
 def _group_child(rank: int, size: int, fn: Callable[..., Any], port: int,
@@ -418,7 +453,8 @@ def run_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
     The store is served from this (the parent) process on a free loopback port.
     """
-    from .._transport import StoreServer, auth_key_or_env
+    from ..rendezvous._server import StoreServer
+    from ..transport._net import auth_key_or_env
 
     gk = group_kwargs or {}
     key = auth_key_or_env(gk.get("auth_key"))  # (as Group.create takes it)

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from ._bench import _measure_sync, op_sizes
+from ._measure import _measure_sync, op_sizes
 
 
 def main() -> None:

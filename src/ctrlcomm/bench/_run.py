@@ -22,7 +22,6 @@ and would take CPUs from the ranks, and CPU time, counted per process, would cou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -34,56 +33,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-DEFAULT_OPS = ("barrier", "all_reduce", "broadcast", "all_gather", "gather", "scatter",
-               "all_to_all", "send_recv")
-SIZED_OPS = {"broadcast", "all_gather", "gather", "scatter", "all_to_all", "send_recv",
-             "all_reduce"}
-ROOTED = {"broadcast", "gather", "scatter", "send_recv"}
-SMALL = 64  # sizes up to this use the "small object" payload: a dict, or two ints to reduce
-# Environment of every rank (for every system alike), unless the user set these: numpy's
-# OpenBLAS and torch's OpenMP with one thread, as torchrun starts its workers
-# (OMP_NUM_THREADS=1). Measured: a rank that imports numpy gets a worker per further CPU that
-# spins about 0.1 s; at world 2 that spin took 0.04-0.07 s of a 0.15 s run on each rank and
-# raised its CPU time per op above its wall time.
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-@contextlib.contextmanager
-def one_thread_pools() -> Any:
-    """Set :data:`ONE_THREAD` where unset, for the processes started meanwhile."""
-    added = [k for k in ONE_THREAD if k not in os.environ]
-    for k in added:
-        os.environ[k] = ONE_THREAD[k]
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-
-
-# a size's suffixes and their multipliers, the longer of two that end alike first
-_SUFFIXES = tuple((p + end, m) for p, m in (("K", 1024), ("M", 1024**2), ("G", 1024**3))
-                  for end in ("IB", "B", "")) + (("B", 1),)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``8``, ``8B``, ``1K``, ``64K``, ``1M``, ``2MiB``, ``1.5k`` (powers of 1024).
-    Raises ValueError naming the text for anything else: a size below one byte or not a
-    whole number of bytes among them (size 0 stands for the ops without a payload)."""
-    t = text.strip().upper()
-    mult = 1
-    for end, m in _SUFFIXES:
-        if t.endswith(end):
-            mult, t = m, t[:-len(end)]
-            break
-    try:
-        n = float(t)
-    except ValueError:
-        n = float("nan")
-    if not n > 0 or n == float("inf") or n * mult != int(n * mult):  # (nan fails n > 0)
-        raise ValueError(f"not a payload size: {text!r} (a whole number of bytes >= 1, "
-                         "e.g. 8, 1K, 64K, 1M)")
-    return int(n * mult)
+from ._measure import (
+    DEFAULT_OPS,
+    PAIR_OPS,
+    SIZED_OPS,
+    SMALL,
+    Results,
+    _ctrlcomm_calls,
+    _Marker,
+    _markers,
+    _measure_async,
+    _measure_sync,
+    env_key,
+    fmt_size,
+    one_thread_pools,
+    op_sizes,
+    ops_at,
+)
 
 
 def _importable(module: str) -> bool:
@@ -113,28 +79,6 @@ def check_cfg(cfg: Mapping[str, Any]) -> None:
                          "sizes or all_reduce out")
 
 
-def env_key() -> bytes | None:
-    """``CTRLCOMM_AUTH_KEY``, which every group the bench forms takes from the environment:
-    the bench's store needs it too (it ran without, and the ranks refused it)."""
-    from ._transport import auth_key_or_env
-
-    return auth_key_or_env()
-
-
-class _Marker:
-    """Stands for one payload in :func:`most_per_message`."""
-
-
-def _markers(obj: Any) -> int:
-    if type(obj) is _Marker:
-        return 1
-    if isinstance(obj, (list, tuple)):
-        return sum(map(_markers, obj))
-    if isinstance(obj, dict):
-        return sum(map(_markers, obj.values()))
-    return 0
-
-
 def most_per_message(op: str, n: int) -> int:
     """The most payloads one message of ``op`` carries at world size ``n``, found by running
     the plan ctrlcomm chooses there (:func:`ctrlcomm._algo.choose`) in the in-memory
@@ -144,8 +88,8 @@ def most_per_message(op: str, n: int) -> int:
         return 0
     if op not in ("gather", "scatter", "all_gather"):
         return 1  # a payload or a reduced one (all_reduce), to each destination
-    from . import _algo
-    from .testing import simulate
+    from .. import _algo
+    from ..testing import simulate
 
     plan = _algo.choose(op, n)
     most = [0]
@@ -174,7 +118,7 @@ def too_large(ops: Sequence[str], sizes: Sequence[int], world_sizes: Sequence[in
     """Why a run could not send its payloads (None if it can): an op of it would put more
     in one message than a message carries (found before the run, not after it: the ranks
     would fail it one by one)."""
-    from ._core import MAX_PAYLOAD
+    from .._core import MAX_PAYLOAD
 
     room = MAX_PAYLOAD - 4096  # (the payload's encoding adds a few bytes)
     for n in world_sizes:
@@ -190,150 +134,10 @@ def too_large(ops: Sequence[str], sizes: Sequence[int], world_sizes: Sequence[in
     return None
 
 
-def fmt_size(n: int) -> str:
-    for unit, m in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
-        if n >= m and n % m == 0:
-            return f"{n // m}{unit}"
-    return str(n)
-
-
-def payload(op: str, size: int, rank: int, i: int) -> Any:
-    if op == "all_reduce":
-        if size <= SMALL:
-            return (rank + i, 1)
-        import numpy as np
-
-        return np.full(size // 8, rank, dtype=np.int64)
-    if size <= SMALL:
-        return {"rank": rank, "step": i, "ok": True}
-    return os.urandom(size) if i < 0 else b"x" * size
-
-
-PAIR_OPS = {"send_recv"}  # between two ranks: nothing to measure at world size 1
-
-
-def ops_at(ops: Sequence[str], n: int, stream: Any = None) -> list[str]:
-    """The ops of ``ops`` that world size ``n`` can run (at 1: not send_recv, which needs two
-    ranks), saying on ``stream`` which are left out."""
-    out = [op for op in ops if n >= 2 or op not in PAIR_OPS]
-    if stream is not None and len(out) < len(ops):
-        left = ", ".join(op for op in ops if op not in out)
-        stream.write(f"{left}: needs 2 ranks, left out at world size {n}\n")
-    return out
-
-
-def op_sizes(ops: list[str], sizes: list[int]) -> list[tuple[str, int]]:
-    """Each (op, size) to measure, once, in the order given (size 0: an op without one)."""
-    out = []
-    for op in dict.fromkeys(ops):
-        if op in SIZED_OPS:
-            out += [(op, s) for s in dict.fromkeys(sizes)]
-        else:
-            out.append((op, 0))
-    return out
-
-
-# ------------------------------------------------------------------ ctrlcomm (one rank)
-
-
-def _ctrlcomm_calls(g: Any, api: Any, rank: int, n: int) -> dict[str, Callable[[Any], Any]]:
-    peer = 1 if n > 1 else 0
-
-    def send_recv(obj: Any) -> Any:  # ping-pong between ranks 0 and 1
-        if n == 1:
-            return None
-        if rank == 0:
-            g.send(obj, peer)
-            return g.recv(peer)
-        if rank == peer:
-            g.send(g.recv(0), 0)
-        return None
-
-    async def asend_recv(obj: Any) -> Any:
-        if n == 1:
-            return None
-        if rank == 0:
-            g.send(obj, peer)
-            return await api.recv(peer)
-        if rank == peer:
-            g.send(await api.recv(0), 0)
-        return None
-
-    return {
-        "barrier": lambda obj: api.barrier(),
-        "all_reduce": lambda obj: api.all_reduce(obj, op="sum"),
-        "broadcast": lambda obj: api.broadcast(obj, src=0),
-        "all_gather": lambda obj: api.all_gather(obj),
-        "gather": lambda obj: api.gather(obj, dst=0),
-        "scatter": lambda obj: api.scatter([obj] * n if rank == 0 else None, src=0),
-        "all_to_all": lambda obj: api.all_to_all([obj] * n),
-        "send_recv": send_recv if api is g else asend_recv,
-    }
-
-
-def _measure_sync(calls: Mapping[str, Callable[[Any], Any]], sync: Callable[[], Any],
-                  plan: list[tuple[str, int]], rank: int, iters: int, warmup: int,
-                  progress: Callable[[str, int], None]) -> dict[tuple[str, int], dict[str, Any]]:
-    out = {}
-    for op, size in plan:
-        f = calls[op]
-        objs = [payload(op, size, rank, i) for i in range(2)]
-        for i in range(warmup):
-            f(objs[i % 2])
-            if op in ROOTED:
-                sync()
-        sync()
-        times = []
-        cpu = 0.0
-        for i in range(iters):
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            f(objs[i % 2])
-            times.append(time.perf_counter() - t0)
-            cpu += time.process_time() - c0
-            if op in ROOTED:
-                sync()
-        out[(op, size)] = {"times": times, "cpu": cpu / iters}
-        progress(op, size)
-    return out
-
-
-async def _measure_async(calls: Mapping[str, Callable[[Any], Any]], sync: Callable[[], Any],
-                         plan: list[tuple[str, int]], rank: int, iters: int, warmup: int,
-                         progress: Callable[[str, int], None]
-                         ) -> dict[tuple[str, int], dict[str, Any]]:
-    out = {}
-    for op, size in plan:
-        f = calls[op]
-        objs = [payload(op, size, rank, i) for i in range(2)]
-        for i in range(warmup):
-            r = f(objs[i % 2])
-            if asyncio.iscoroutine(r):
-                await r
-            if op in ROOTED:
-                await sync()
-        await sync()
-        times = []
-        cpu = 0.0
-        for i in range(iters):
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            r = f(objs[i % 2])
-            if asyncio.iscoroutine(r):
-                await r
-            times.append(time.perf_counter() - t0)
-            cpu += time.process_time() - c0
-            if op in ROOTED:
-                await sync()
-        out[(op, size)] = {"times": times, "cpu": cpu / iters}
-        progress(op, size)
-    return out
-
-
 def system_ctrlcomm(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[str, int], None],
                     aio: bool = False, **group_kwargs: Any
                     ) -> dict[tuple[str, int], dict[str, Any]]:
-    from . import Group
+    from .._group import Group
 
     plan = op_sizes(cfg["ops"], cfg["sizes"])
     with Group.create(cfg["host"], cfg["port"], rank, n, name=f"bench{cfg['tag']}",
@@ -380,12 +184,6 @@ def _system(name: str) -> Callable[..., Results]:
     from ._baselines import SYSTEMS as OTHERS
 
     return OTHERS[name]
-
-
-# ------------------------------------------------------------------------- aggregation
-
-
-Results = dict[tuple[str, int], dict[str, Any]]
 
 
 def merge(a: list[Results], b: list[Results]) -> list[Results]:
@@ -560,13 +358,6 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
 
     A system whose run fails (a rank raises or dies: the others are stopped at once) is left
     out at that world size, with a message on ``stream``, and recorded in ``failed``."""
-    import multiprocessing as mp
-    import threading
-
-    from ._baselines import run_mpi
-    from ._transport import StoreServer
-    from .testing import RankFailedError, run_ranks
-
     check_cfg(cfg)
     bad = [n for n in world_sizes if type(n) is not int or n < 1]
     if bad or not world_sizes:
@@ -577,30 +368,80 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
     repeat = max(int(cfg.get("repeat", 1)), 1)
     bar = _Progress(sum(len(op_sizes(c["ops"], c["sizes"])) for c in cfgs.values())
                     * len(systems) * repeat, stream)
+    run = _LocalRun(cfgs, bar, {} if failed is None else failed, stream)
     rows = []
-    ctx = mp.get_context("spawn")
-    failed = {} if failed is None else failed
+    for n in world_sizes:
+        if cfgs[n]["ops"]:
+            rows += run.world(n, systems, repeat)
+    bar.end()
+    return rows
 
-    def run_one(n: int, system: str) -> list[Results]:
-        with one_thread_pools():  # the ranks' environment
-            return run_system(n, system)
 
-    def run_system(n: int, system: str) -> list[Results]:
-        ncfg = cfgs[n]
+class _LocalRun:
+    """The runs of :func:`run_local`, one world size at a time."""
+
+    def __init__(self, cfgs: dict[int, dict[str, Any]], bar: _Progress,
+                 failed: dict[tuple[str, int], str], stream: Any) -> None:
+        import multiprocessing as mp
+
+        self.cfgs, self.bar, self.failed, self.stream = cfgs, bar, failed, stream
+        self.ctx = mp.get_context("spawn")
+
+    def world(self, n: int, systems: list[str], repeat: int) -> list[dict[str, Any]]:
+        """The rows of world size ``n``. With repeat, the systems take turns (a, b, c, a,
+        b, c, ...) and each one's samples are pooled: a slow spell of a shared machine then
+        falls on every system alike."""
+        from ..testing import RankFailedError
+
+        got: dict[str, list[Results]] = {}
+        each: dict[str, list[dict[tuple[str, int], dict[str, Any]]]] = {s: [] for s in systems}
+        for _ in range(repeat):
+            for system in systems:
+                if (system, n) in self.failed:  # (in an earlier turn)
+                    for _ in op_sizes(self.cfgs[n]["ops"], self.cfgs[n]["sizes"]):
+                        self.bar.step(f"{system} N={n} left out")
+                    continue
+                try:
+                    with one_thread_pools():  # the ranks' environment
+                        per_rank = self._mpi(n) if system == "mpi" else self._ranks(n, system)
+                except RankFailedError as e:
+                    # the others' figures are still worth a table: this one is left out
+                    self.failed[(system, n)] = why = each_rank_failure(e)
+                    self.stream.write(f"\n{system} at {n} ranks failed (left out):\n{why}\n")
+                    got.pop(system, None)
+                    continue
+                each[system].append(summarize(per_rank))
+                got[system] = per_rank if system not in got else merge(got[system], per_rank)
+        return _rows(n, systems, got, each, repeat)
+
+    def _mpi(self, n: int) -> list[Results]:
+        from ..testing import RankFailedError
+        from ._baselines import run_mpi
+
+        plan = op_sizes(self.cfgs[n]["ops"], self.cfgs[n]["sizes"])
+        try:
+            per_rank = run_mpi(n, self.cfgs[n])
+        except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
+            for _ in plan:  # (the bar ends full, also where a run failed)
+                self.bar.step(f"mpi N={n} failed")
+            raise RankFailedError(f"mpiexec: {type(e).__name__}: {e}", {}) from e
+        for op, size in plan:
+            self.bar.step(f"mpi N={n} {op} {fmt_size(size) if size else ''}")
+        return per_rank
+
+    def _ranks(self, n: int, system: str) -> list[Results]:
+        """A run of ``system`` in ``n`` spawned ranks, through a store of this process; the
+        ranks report each op's end through a queue, which a thread turns into the bar's
+        steps."""
+        import threading
+
+        from ..rendezvous._server import StoreServer
+        from ..testing import run_ranks
+
+        ncfg = self.cfgs[n]
         plan = op_sizes(ncfg["ops"], ncfg["sizes"])
-        if system == "mpi":
-            try:
-                per_rank = run_mpi(n, ncfg)
-            except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
-                for _ in plan:  # (the bar ends full, also where a run failed)
-                    bar.step(f"mpi N={n} failed")
-                raise RankFailedError(f"mpiexec: {type(e).__name__}: {e}", {}) from e
-            for op, size in plan:
-                bar.step(f"mpi N={n} {op} {fmt_size(size) if size else ''}")
-            return per_rank
-        q = ctx.Queue()
+        q = self.ctx.Queue()
         stop = threading.Event()
-
         stepped = [0]
 
         def pump() -> None:
@@ -610,7 +451,7 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
                 except Exception:
                     continue
                 stepped[0] += 1
-                bar.step(f"{system} N={n} {op} {fmt_size(size) if size else ''}")
+                self.bar.step(f"{system} N={n} {op} {fmt_size(size) if size else ''}")
 
         th = threading.Thread(target=pump, daemon=True)
         th.start()
@@ -633,35 +474,8 @@ def run_local(world_sizes: list[int], systems: list[str], cfg: dict[str, Any],
                 # left undone: the bar ends full (not where Ctrl-C or a signal ended the
                 # bench: nothing more was done, nor did it fail)
                 for _ in range(0 if interrupted else len(plan) - stepped[0]):
-                    bar.step(f"{system} N={n} {'done' if ok else 'failed'}")
+                    self.bar.step(f"{system} N={n} {'done' if ok else 'failed'}")
             return per_rank
-
-    for n in world_sizes:
-        if not cfgs[n]["ops"]:
-            continue
-        # With --repeat, the systems take turns (a, b, c, a, b, c, ...) and each one's samples
-        # are pooled: a slow spell of a shared machine then falls on every system alike.
-        got: dict[str, list[Results]] = {}
-        each: dict[str, list[dict[tuple[str, int], dict[str, Any]]]] = {s: [] for s in systems}
-        for _ in range(repeat):
-            for system in systems:
-                if (system, n) in failed:  # (in an earlier turn)
-                    for _ in op_sizes(cfgs[n]["ops"], cfgs[n]["sizes"]):
-                        bar.step(f"{system} N={n} left out")
-                    continue
-                try:
-                    per_rank = run_one(n, system)
-                except RankFailedError as e:
-                    # the others' figures are still worth a table: this one is left out
-                    failed[(system, n)] = why = each_rank_failure(e)
-                    stream.write(f"\n{system} at {n} ranks failed (left out):\n{why}\n")
-                    got.pop(system, None)
-                    continue
-                each[system].append(summarize(per_rank))
-                got[system] = per_rank if system not in got else merge(got[system], per_rank)
-        rows += _rows(n, systems, got, each, repeat)
-    bar.end()
-    return rows
 
 
 def _rows(n: int, systems: Sequence[str], got: Mapping[str, list[Results]],
@@ -694,9 +508,9 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
     for each other in different calls); per-rank figures travel to rank 0 through a ctrlcomm
     group of their own. Rank 0 shows a progress bar on ``stream``.
     """
-    from . import Group
-    from ._store import _store_host
-    from ._transport import StoreServer
+    from .._group import Group
+    from ..rendezvous._client import _store_host
+    from ..rendezvous._server import StoreServer
 
     check_cfg(cfg)
     if type(n) is not int or n < 1 or type(rank) is not int or not 0 <= rank < n:
@@ -917,7 +731,7 @@ def versions() -> dict[str, str]:
     runs from a checkout), Python's ZeroMQ, and the baselines' libraries where installed."""
     import importlib.metadata as md
 
-    from . import __version__
+    from .. import __version__
 
     out = {"ctrlcomm": __version__}
     try:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._bench import SMALL, Results, _measure_sync, op_sizes
+from ._measure import SMALL, Results, _measure_sync, op_sizes
 
 # every wait of a baseline ends within this many seconds (a rank whose peer died then fails
 # with an error instead of hanging the whole bench)
@@ -52,8 +52,8 @@ def _share_ports(cfg: dict[str, Any], rank: int, what: str,
     ones), through the bench's own store; the other ranks get them. (A port picked ahead and
     bound later can be taken meanwhile by any connection of the machine: rank 0 then fails to
     bind, and the others wait for it.)"""
-    from ._bench import env_key
-    from ._store import StoreClient
+    from ..rendezvous._client import StoreClient
+    from ._measure import env_key
 
     store = StoreClient(cfg["host"], cfg["port"], timeout=DEADLINE_S,
                         prefix=f"bench/{cfg['tag']}/", auth_key=env_key())
@@ -432,7 +432,7 @@ def run_mpi(n: int, cfg: dict[str, Any]) -> list[Results]:
         cfg_path = os.path.join(tmp, "cfg.json")
         with open(cfg_path, "w") as f:
             json.dump({k: cfg[k] for k in ("ops", "sizes", "iters", "warmup")}, f)
-        cmd = [exe, "-n", str(n), sys.executable, "-m", "ctrlcomm._bench_mpi", cfg_path, tmp]
+        cmd = [exe, "-n", str(n), sys.executable, "-m", "ctrlcomm.bench._mpi", cfg_path, tmp]
         env = dict(os.environ, MPIR_CVAR_CH4_NETMOD="", HYDRA_LAUNCHER="fork")
         err_path = os.path.join(tmp, "stderr")
         with open(err_path, "wb") as err, \

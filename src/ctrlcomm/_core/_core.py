@@ -1,0 +1,320 @@
+"""The core's calls: a collective's steps from start to end, and point-to-point calls (see
+the package's docstring for how they run)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from .. import _plans
+from .. import _wire as w
+from .._endpoint import (
+    Endpoint,
+    Liveness,
+)
+from .._errors import (
+    CodecError,
+    CollectiveTimeoutError,
+    CtrlcommError,
+    GroupBrokenError,
+    InvalidArgumentError,
+    MismatchError,
+    PeerLostError,
+)
+from .._lifecycle import BROKEN, OPEN
+from ._common import (
+    _FAIL_IN_PLACE,
+    _NONE_LOST,
+    BYE_TEXT,
+    FIRST_PROBE,
+    MAX_PAYLOAD,
+    PROBE_GRACE,
+    RECENT,
+    Active,
+    Call,
+    Past,
+    Wait,
+    _check_size,
+    _first_pass,
+    _get_ident,
+    _monotonic,
+    _send_name,
+    _StepAt,
+)
+from ._mailbox import _Mailbox
+
+
+class Core(_Mailbox):
+    def __init__(self, *, name: str, rank: int, size: int, group_id: int,
+                 endpoint: Endpoint,
+                 codec: int, key: bytes, timeout: float,
+                 heartbeat: Liveness | None = None,
+                 liveness_timeout: float | None = None) -> None:
+        super().__init__(name=name, rank=rank, size=size, group_id=group_id, endpoint=endpoint,
+                         codec=codec, key=key, timeout=timeout, heartbeat=heartbeat,
+                         liveness_timeout=liveness_timeout)
+        self._sink = self._accept
+        endpoint.attach(self._accept, self._lost, key, rank)  # (MACs made for this rank)
+        if self._xs is not None:
+            self._xs.set_hello(self._hello)
+
+    # ------------------------------------------------------------------------ execution
+
+    def collective(self, call: Call, timeout: float | None) -> Wait:
+        """Run a call's plan to completion (a generator that yields seconds to wait).
+
+        Each step's sends go out at once; then its receives (:meth:`_receive`). This loop
+        runs for every call: it is kept flat.
+        """
+        name, opcode, root = call.name, call.opcode, call.root
+        seq, t, start, deadline, probe_at = self._begin(call, timeout)
+        ep = self.ep
+        try:
+            self._check_early(seq, opcode, root)
+            gen = call.plan(self.ctx, *call.args)
+            send = gen.send
+            reply: dict[int, Any] | None = None
+            recvs: Sequence[int]
+            while True:
+                try:
+                    rnd, sends, recvs = send(reply)  # type: ignore[arg-type]
+                except StopIteration as e:
+                    result = self._result(e.value, call, seq)
+                    break
+                if sends:
+                    if not recvs:  # (a step that waits finds its lost peers as it waits)
+                        self._look(sends, name, seq)
+                    self._post(sends, rnd, seq, opcode, root)
+                    if ep.unflushed:  # else nothing is queued: no backlog to wait out
+                        yield from self._backpressure([d for d, _ in sends], deadline, t,
+                                                      name, seq)
+                reply = {}
+                if recvs:
+                    yield from self._receive(recvs, reply, _StepAt(seq, rnd, opcode, root,
+                                                                   name, start, deadline,
+                                                                   probe_at, t))
+            self.last = (name, seq)
+            return result
+        except GeneratorExit:
+            self._failed_seq = seq
+            why = f"{name} #{seq} on group {self.name!r} was cancelled on rank {self.rank}"
+            if self.state == OPEN:  # the others may be waiting for its part: they are told
+                self._tell_peers(w.ABORT, why, seq, w.ABORT_AT_CALL)
+            self.brk(GroupBrokenError(why))
+            raise
+        except BaseException as e:  # the ranks are out of step now
+            self._failed(e, name, seq)
+            raise
+        finally:
+            self._end(seq)
+
+    def _begin(self, call: Call, timeout: float | None
+               ) -> tuple[int, float, float, float, float]:
+        """A collective takes the group and its number: (seq, timeout, start, deadline,
+        when it first asks the ranks it waits for)."""
+        name, opcode, root = call.name, call.opcode, call.root
+        if self.state != OPEN or not self._lock.acquire(False):  # False: do not block
+            self.enter(name)  # raises: closed, broken, or busy
+        else:
+            self._nudge()
+        self._owner = name
+        self._holder = _get_ident()
+        seq = self._cur_seq = self.seq
+        self.seq = seq + 1
+        self._cur_call = (opcode, root)
+        self.active = Active(name, seq, opcode, root)
+        self._recent[seq % RECENT] = Past(seq, opcode, root)
+        t = self.timeout if timeout is None else timeout
+        start = _monotonic()
+        deadline = start + t
+        self._in_place = call.plan in _FAIL_IN_PLACE
+        probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in _wait, with its first probe
+        if start + FIRST_PROBE < probe_at:
+            probe_at = start + FIRST_PROBE
+        return seq, t, start, deadline, probe_at
+
+    def _check_early(self, seq: int, opcode: int, root: int) -> None:
+        """Messages of this call that came before it began: of the same call?"""
+        early = self.box.get(seq)
+        if early:
+            for m in early.values():
+                if (m.op, m.root) != (opcode, root):
+                    self._set_mismatch(m)
+                    break
+
+    def _result(self, result: Any, call: Call, seq: int) -> Any:
+        """What the plan returned, or what this rank's part makes of it."""
+        if self.mismatch is not None:  # found by a send's read (_backpressure)
+            raise self.mismatch from None
+        if self._send_failed is not None:  # its object could not be sent: raised above
+            result, self._send_failed = self._send_failed, None
+        elif self._check_folded and call.plan is _plans.all_reduce_doubling:
+            result = self._folded_result(result, call.opcode, seq)
+        return result
+
+    def _failed(self, e: BaseException, name: str, seq: int) -> None:
+        """A collective ended by ``e``: the ranks are out of step now. The group breaks, and
+        the others are told what they need to know (not left waiting for this rank)."""
+        self._failed_seq = seq
+        if isinstance(e, PeerLostError) and self.state == OPEN and e.ranks \
+                and not all(self.gone.get(r, "").startswith("is gone (reported") for r in e.ranks):
+            # tell the others which ranks are gone: they may be waiting on this rank
+            self._notify_lost(e)
+        elif isinstance(e, MismatchError) and self.state == OPEN \
+                and "(reported by rank" not in str(e):
+            # the others may be waiting for this rank's part of a call it did not make
+            self._notify_mismatch(e)
+        elif isinstance(e, CollectiveTimeoutError) and self.state == OPEN \
+                and e.waiting_for:
+            # this rank's group breaks: the ranks it waited for that are late (not in
+            # this call when they last answered) are told, or one would wait all its
+            # own timeout for this rank's part once it came, and then call it "not in a
+            # ctrlcomm call". (Not the others: those in this call wait for the same
+            # ranks, or for one that does, and time out saying so, not that this rank
+            # gave up a moment before them.)
+            late = [r for r in e.waiting_for if self.status_in_call.get(r) != seq]
+            self._tell_peers(w.ABORT, str(e)[:BYE_TEXT], seq, w.ABORT_AT_CALL, to=late)
+        elif isinstance(e, CodecError) and self.state == OPEN:
+            # an object from a peer that cannot be decoded here: this rank's group
+            # breaks; the others, the sender too, are told (not left waiting for it)
+            self._tell_peers(w.ABORT, str(e), seq, w.ABORT_AT_CALL)
+        elif not isinstance(e, CtrlcommError) and self.state == OPEN:
+            # Ctrl-C, or anything else that ended the call midway (a SystemExit or an
+            # error raised by a signal handler as it waited...): caught, the process
+            # goes on; the others are told, not left waiting for its part
+            why = f"{name} #{seq} on group {self.name!r} was interrupted on rank {self.rank}"
+            if not isinstance(e, KeyboardInterrupt):
+                why += f" ({type(e).__name__}: {e})"[:BYE_TEXT]
+            self._tell_peers(w.ABORT, why, seq, w.ABORT_AT_CALL)
+            self.brk(GroupBrokenError(why))  # (the cause: a KeyboardInterrupt says nothing)
+        self.brk(e)
+
+    def _end(self, seq: int) -> None:
+        """A collective gives the group back (whatever its end)."""
+        self._send_failed = None
+        left = self.box.pop(seq, None)
+        if left:  # duplicates, or the rest of a failed call
+            self.dropped["stale"] += len(left)
+            self._release([src for _, src in left])
+        self.active = None
+        self._cur_seq = -1
+        self.mismatch = None
+        self.waiting_for = _NONE_LOST
+        self._owner = ""  # self.leave(), inline
+        self._lock.release()
+        if self._deferred:  # asked for while this call held the group
+            self._run_deferred_unlocked()
+
+    # ------------------------------------------------------------------ point to point
+
+    def send(self, obj: Any, dst: int | tuple[int, ...], tag: int, timeout: float | None,
+             what: str = "") -> Wait:
+        """Point to point: ``obj`` to ``dst``, or to each rank of a tuple (encoded once).
+        ``what`` names the call in errors (default: ``send(dst=..., tag=...)``)."""
+        self.enter(what or "send")
+        dsts = dst if isinstance(dst, tuple) else (dst,)
+        name = what  # (or the default: _send_name)
+        try:
+            self._look(dsts, name, dst=dst, tag=tag)
+            try:  # (the usual object pickled by w.dumps' first pass: see _encoded)
+                payload, bufs = self._encoded(obj, _first_pass(obj) if self._fast else None)
+                if bufs or len(payload) > MAX_PAYLOAD:
+                    _check_size(payload, bufs)
+            except CodecError as e:
+                raise CodecError(f"{_send_name(name, dst, tag)} on group {self.name!r}, "
+                                 f"rank {self.rank}: {e}") from None
+            ep, count = self.ep, self.p2p_out
+            for d in dsts:  # (each destination numbers what it gets from this rank: 1, 2...)
+                n = count.get(d, 1)
+                self._emit(w.P2P, (d,), n, tag, 0, w.NO_ROOT, self.codec, payload, bufs)
+                count[d] = n + 1
+            self.sent += len(dsts)
+            if ep.unflushed:  # else nothing is queued: no backlog to wait out
+                name = _send_name(name, dst, tag)
+                t = self.timeout if timeout is None else float(timeout)
+                yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None)
+            if self.gone or self.suspects:  # lost while it was sent: the rest was dropped
+                self._unreachable(dsts, _send_name(name, dst, tag))
+        finally:
+            self.waiting_for = []
+            self.leave()
+
+    def recv(self, src: int, tag: int, timeout: float | None, what: str = "") -> Wait:
+        """The next message of ``src`` with ``tag``; ``what`` names the call in errors."""
+        self.enter(what or "recv")
+        t = self.timeout if timeout is None else float(timeout)
+        name = what or f"recv(src={src}, tag={tag})"
+        start = _monotonic()
+        deadline = start + t
+        self._probed = self._looked = False
+        self._settle_until = 0.0
+        self.active = Active(name, -1, 0, w.NO_ROOT)
+        try:
+            if self._xp and not self.p2p.get((src, tag)) and not self.paused:
+                # the usual: the message read straight from its sender's socket when it
+                # comes, if it is the next one that sender numbered for this rank, with this
+                # tag (anything else, or anything unusual, the general way below)
+                probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in collective
+                if start + FIRST_PROBE < probe_at:
+                    probe_at = start + FIRST_PROBE
+                n = self.p2p_in.get(src, 1)
+                reply: dict[int, Any] = {}
+                left = yield from self._express((src,), reply, n, tag, 0, w.NO_ROOT, probe_at,
+                                                name, w.P2P)
+                if not left:  # (_express counted it in p2p_in)
+                    return reply[src]
+            while True:
+                q = self.p2p.get((src, tag))
+                if not q:
+                    # (what made the short way stop, if it ran, seen now.) Not when the
+                    # message is here already: a flood of them would be read on, a chunk
+                    # per call, however many wait here
+                    self.pump()
+                    q = self.p2p.get((src, tag))
+                if q:
+                    m = q.popleft()
+                    if not q:
+                        del self.p2p[(src, tag)]
+                    return self._decode(m, name)
+                if self.state == BROKEN:  # (as a collective's wait raises it)
+                    c = self.cause
+                    if isinstance(c, GroupBrokenError):
+                        raise self._cause_in(name)
+                    raise GroupBrokenError(str(c)) from c
+                yield self._wait([src], deadline, t, name, None)
+        finally:
+            self.active = None
+            self.waiting_for = []
+            self.leave()
+
+    def send_self(self, obj: Any, tag: int, what: str) -> None:
+        """A send to this rank itself (as MPI allows): ``obj`` encoded, for :meth:`recv_self`;
+        ``what`` names the call in errors."""
+        self.check_open()
+        try:
+            payload, bufs = w.dumps(obj, self.codec)
+        except CodecError as e:
+            raise CodecError(f"{what} on rank {self.rank}: {e}") from None
+        # (what a peer gets: the buffers as they are where they cannot change (the wire's
+        # FLAG_IMMUTABLE), else each a writable copy: the sender's own memory may change
+        # once the call returns)
+        if not all(w.immutable(b) for b in bufs):
+            bufs = tuple(bytearray(b) for b in bufs)
+        self.to_self.setdefault(tag, deque()).append((payload, bufs))
+
+    def recv_self(self, tag: int, what: str) -> Any:
+        """The next object this rank sent itself with ``tag``; InvalidArgumentError where there
+        is none (nothing else could send it: the receive would wait for ever)."""
+        self.check_open()
+        q = self.to_self.get(tag)
+        if not q:
+            raise InvalidArgumentError(f"{what} on rank {self.rank}: this rank sent itself "
+                                       "nothing (nothing else can: the receive would wait for "
+                                       "ever)")
+        payload, bufs = q.popleft()
+        return w.loads(payload, bufs, self.codec, self._unpickle)
+
+
+__all__ = ["Call", "Core"]

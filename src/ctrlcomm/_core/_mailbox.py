@@ -1,0 +1,264 @@
+"""The mailbox: every message that arrives is taken here (matched by call, round and sender, or
+queued per source and tag), and flow control: a peer far ahead is not read until this rank
+catches up; a sender waits out a peer's backlog."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Generator, Sequence
+from itertools import repeat
+from typing import Any
+
+from .. import _wire as w
+from .._errors import (
+    MismatchError,
+    PeerLostError,
+)
+from .._lifecycle import BROKEN
+from ._common import (
+    _COLL,
+    _PICKLE,
+    HOLD_HIGH,
+    HOLD_LOW,
+    MAX_BACKLOG,
+    RECENT,
+    Said,
+    Wait,
+    _monotonic,
+    _ploads,
+    _StepAt,
+    _undecodable,
+    describe,
+)
+from ._express import _Express
+
+
+class _Mailbox(_Express):
+    """The mailbox: every message that arrives is taken here (matched by call, round and sender,
+    or queued per source and tag), and flow control: a peer far ahead is not read until this
+    rank catches up; a sender waits out a peer's backlog."""
+
+    # ------------------------------------------------------------------------ receiving
+
+    def _accept(self, m: w.Message | None) -> int | None:
+        """Take one incoming message (None: a malformed one); returns its sender, or None if
+        it was dropped."""
+        if m is None:
+            self.dropped["malformed"] += 1
+            return None
+        kind, src, gid, seq, rnd, op, root, _, _, _ = m
+        if gid != self.group_id or src not in self._peers:
+            self.dropped["other_group" if gid != self.group_id else "bad_src"] += 1
+            return None
+        if kind == w.HELLO:  # (it names the connection's sender: nothing else to do)
+            return src
+        self.received += 1
+        if kind == _COLL:
+            return self._take_coll(m)
+        if kind == w.P2P:
+            # each sender numbers its point-to-point messages to this rank 1, 2, 3...: an
+            # old number is a replay (it would pass the MAC: the frame is genuine)
+            if seq < self.p2p_in.get(src, 1):
+                self.dropped["replayed"] += 1
+                return None
+            self.p2p_in[src] = seq + 1
+            self.p2p.setdefault((src, rnd), deque()).append(m)
+        elif kind == w.STATUS_REQ:
+            self._answer_status(src)
+        elif kind == w.STATUS_REP:
+            self._take_status(m)
+        elif kind == w.BYE:
+            why = bytes(m.payload).decode(errors="replace")  # (why it was broken, if it was)
+            self._known_gone(src, f"closed the group (broken there: {why})" if why
+                             else "closed the group")
+            self.aborters.discard(src)
+        elif kind == w.ABORT:
+            self._take_abort(m)
+        return src
+
+    def _take_coll(self, m: w.Message) -> int | None:
+        """(_accept) A collective's message, kept in the mailbox by (seq, round, sender)."""
+        _, src, _, seq, rnd, op, root, _, _, _ = m
+        if seq < self.seq - (self._cur_seq >= 0):
+            past = self._recent[seq % RECENT]
+            if past.seq == seq and (op != past.op or root != past.root):
+                self._late_mismatch(m, past)
+            self.dropped["stale"] += 1
+            return None
+        slot = self.box.get(seq)
+        if slot is None:
+            slot = self.box[seq] = {}
+        key = (rnd, src)
+        if key in slot:
+            self.dropped["duplicate"] += 1
+            return None
+        slot[key] = m
+        held = self.held
+        n = held[src] = held[src] + 1
+        if n >= HOLD_HIGH and src not in self.paused:
+            # this peer is far ahead: stop reading its stream (what this rank needs from
+            # it came first, being of an earlier seq) until it has caught up
+            self.paused.add(src)
+            self.ep.pause(src)
+        if seq == self._cur_seq and (op, root) != self._cur_call:
+            self._set_mismatch(m)
+        return src
+
+    def _take_abort(self, m: w.Message) -> None:
+        """(_accept) A peer's word that the group is broken: a mismatch it found, ranks it
+        lost, or an abort of its own."""
+        _, _, _, seq, rnd, _, _, _, _, _ = m
+        told = w.decode_abort(m.payload)
+        reason = told.text
+        if told.kind == w.ABORT_MISMATCH:
+            # another rank found the ranks out of step: so are the calls of this one
+            desc = reason
+            if rnd == w.ABORT_BY_PROBE and m.op and (
+                    (st := self.status.get(m.src)) is None or st.seq != self.seq):
+                # the call the teller is in (as its answer would have said: see
+                # _notify_mismatch), where this rank has no answer of its own
+                self.status[m.src] = Said(self.seq, f"in {describe(m.op, m.root)} #{seq} "
+                                      "(it found the mismatch, and told this rank)")
+            e: MismatchError = self._told_mismatch(seq, desc, m.src) \
+                if rnd == w.ABORT_BY_PROBE \
+                else MismatchError(f"{desc} (reported by rank {m.src})")
+            self.brk(e)
+            self._fail_call(e)
+        elif told.kind == w.ABORT_LOST:
+            # a peer lost ranks and tells everyone: name those ranks, not the messenger
+            text = reason
+            lost = [r for r in told.ranks if r in self._peers]
+            for r in lost:
+                self.gone.setdefault(r, f"is gone (reported by rank {m.src}: {text})")
+            self.brk(PeerLostError(f"group {self.name!r}: rank(s) {lost} lost (reported by "
+                                   f"rank {m.src}): {text}", ranks=lost))
+        else:
+            self.gone[m.src] = f"aborted the group: {reason}"
+            self._guessed.discard(m.src)
+            self.aborters.add(m.src)
+            aborted = PeerLostError(f"group {self.name!r}: rank {m.src} aborted the "
+                                    f"group: {reason}", ranks=[m.src])
+            self.brk(aborted)
+            a = self.active
+            if rnd == w.ABORT_AT_CALL and a is not None and a.seq >= seq:
+                # about this call (or an earlier one): it fails here too, even where
+                # the sender's part of it came before the word, as on the others (an
+                # error that names the call, as when the word came before it waited)
+                self._fail_call(self._naming_call(f"{a.name} #{a.seq}", aborted))
+
+    def _release(self, srcs: Sequence[int]) -> None:
+        """One message of each of ``srcs`` left the mailbox."""
+        held = self.held
+        for src in srcs:
+            held[src] -= 1
+        if self.paused:
+            self._resume_caught_up(srcs)
+
+    def _resume_caught_up(self, srcs: Sequence[int]) -> None:
+        for src in srcs:
+            if src in self.paused and self.held[src] <= HOLD_LOW:
+                self.paused.discard(src)
+                self.ep.resume(src)
+
+    def _backpressure(self, dsts: list[int], deadline: float, t: float, name: str,
+                      seq: int | None) -> Wait:
+        """Wait while more than MAX_BACKLOG bytes are queued for any of ``dsts``."""
+        if self.ep.unflushed:  # a connection still being made, or a kernel buffer was full
+            self.pump()
+        while True:
+            full = [d for d in dsts if self.ep.backlog(d) > MAX_BACKLOG]
+            if not full:
+                return
+            if self.state == BROKEN:  # (a step that completed may still send after it)
+                raise self._cause_in(name if seq is None else f"{name} #{seq}")
+            self.waiting_for = full
+            self.pump()
+            # the pump may have sent it all: then no event would end a wait (two ranks
+            # sending to each other waited for their deadlines so)
+            full = [d for d in full if self.ep.backlog(d) > MAX_BACKLOG]
+            if not full:
+                return
+            now = time.monotonic()
+            lost, suspect_at = self._check_lost(full, now)
+            if lost:
+                what = name if seq is None else f"{name} #{seq}"
+                raise PeerLostError(f"{what} on group {self.name!r}: rank {lost[0]} "
+                                    f"{self.gone[lost[0]]}", ranks=lost)
+            if now >= deadline:
+                raise self._timeout(f"{name} (sending)", seq, t, full)
+            yield min(deadline, suspect_at) - now
+
+    def _decode(self, m: w.Message, what: str, seq: int | None = None) -> Any:
+        try:
+            return w.loads(m.payload, m.buffers, m.codec, self._unpickle)
+        except Exception as e:  # unpickling runs code: anything can come out
+            raise _undecodable(m, what, seq, e) from e
+
+    def _receive(self, recvs: Sequence[int], reply: dict[int, Any], at: _StepAt) -> Wait:
+        """A step's receives: what is in the mailbox already, else waits, each followed by a
+        read of every ready socket. (No non-blocking read before the first wait: the
+        driver's wait returns at once when a socket is ready, and a rank that waits for a
+        reply, as every non-root rank of a star does, would find nothing.)"""
+        seq, rnd = at.seq, at.rnd
+        # per step: its missing ranks are asked, its sockets read to the end at a loss
+        self._probed = self._looked = False
+        self._settle_until = 0.0
+        if self._xp and not self.box.get(seq) and not self.paused:
+            # the usual step: each message read straight from its sender's socket
+            # (what is left, or anything unusual, the general way below)
+            recvs = yield from self._express(recvs, reply, seq, rnd, at.opcode, at.root,
+                                             at.probe_at, at.name)
+            if not recvs:
+                return
+            # what made it stop, seen now (as after a wait below): a close or
+            # abort asked for, an error met in a reader callback, events to read
+            self.pump()
+        slot = yield from self._mailbox_step(recvs, at)
+        held = self.held
+        unpickle = self._unpickle
+        for s in recvs:
+            m = slot.pop((rnd, s))
+            held[s] -= 1
+            try:  # self._decode, without two calls for the usual codec
+                reply[s] = _ploads(m.payload, buffers=m.buffers) \
+                    if m.codec == _PICKLE and unpickle \
+                    else w.loads(m.payload, m.buffers, m.codec, unpickle)
+            except Exception as e:  # unpickling runs code: anything can come out
+                raise _undecodable(m, at.name, seq, e) from e
+        if self.paused:
+            self._resume_caught_up(recvs)
+
+    def _mailbox_step(self, recvs: Sequence[int], at: _StepAt
+                      ) -> Generator[float, None, dict[tuple[int, int], w.Message]]:
+        """Wait until the mailbox holds a message of each of ``recvs`` for this step: the
+        call's slot of the mailbox."""
+        seq, rnd, ep, box = at.seq, at.rnd, self.ep, self.box
+        want = set(zip(repeat(rnd), recvs))  # the mailbox keys this step waits for
+        while True:
+            if self.mismatch is not None:
+                raise self.mismatch
+            slot = box.get(seq)
+            if slot is not None:
+                if slot.keys() >= want:
+                    # all in: this step completed, even if the group broke meanwhile
+                    # (an abort of a later call, read with its last message: the
+                    # next step that must wait, or the next call, raises)
+                    return slot
+                missing = [s for s in recvs if (rnd, s) not in slot]
+            else:
+                missing = list(recvs)
+            if self.state == BROKEN:
+                raise self._cause_in(f"{at.name} #{seq}")
+            now = _monotonic()
+            if now < at.probe_at and now < self._live_until and not self.gone \
+                    and not self.suspects and not self.paused:
+                # what _wait answers in the usual case, without its call: nobody
+                # lost or suspect, no deadline or probe due yet
+                self.waiting_for = missing
+                yield min(at.probe_at, self._live_until) - now
+            else:
+                yield self._wait(missing, at.deadline, at.timeout, at.name, seq, at.start)
+            if self._deferred or ep.closed:
+                self.pump()  # does what close() or abort() asked; raises if closed
+            ep.drain(self._sink)

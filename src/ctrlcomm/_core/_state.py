@@ -1,0 +1,159 @@
+"""The state every part of the core shares, made once (each part's class below says what of it
+is its own): the chain _CoreState <- _Sending <- _Session <- _Mismatch <- _Liveness <-
+_Express <- _Mailbox <- Core, each part calling only those below it."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any, cast
+
+from .. import _ops, _plans
+from .. import _wire as w
+from .._endpoint import (
+    Endpoint,
+    ExpressEndpoint,
+    Liveness,
+    StreamEndpoint,
+)
+from .._errors import (
+    CtrlcommError,
+    MismatchError,
+)
+from .._lifecycle import OPEN
+from ._common import (
+    _NO_STEP,
+    RECENT,
+    Active,
+    Past,
+    Said,
+)
+
+
+class _CoreState:
+    """A group's core, as it is made: its settings and its state."""
+
+    def __init__(self, *, name: str, rank: int, size: int, group_id: int,
+                 endpoint: Endpoint,
+                 codec: int, key: bytes, timeout: float,
+                 heartbeat: Liveness | None = None,
+                 liveness_timeout: float | None = None) -> None:
+        self.name, self.rank, self.size = name, rank, size
+        self.group_id = group_id
+        self.ep = endpoint
+        self.codec = codec
+        # a data-only group never unpickles, whatever codec a message's header names
+        self._unpickle = codec == w.PICKLE
+        if not key:
+            raise ValueError("a group's core needs its MAC key (made at formation)")
+        self.key = key
+        self.timeout = timeout
+        self.seq = 0  # next collective's sequence number
+        # the seq, and (opcode, root), of the collective in progress (-1: none): a message of
+        # that seq with another opcode or root is a mismatch, and one of an earlier seq (of
+        # a seq below self.seq when there is none) is stale
+        self._cur_seq = -1
+        self._cur_call = (0, 0)
+        self._peers = frozenset(range(size)) - {rank}  # the ranks a message may come from
+        # collective messages: seq -> {(round, src): message}; held[src] counts them per sender
+        self.box: dict[int, dict[tuple[int, int], w.Message]] = {}
+        # a plain dict, one entry per rank (a Counter, a dict subclass, is read and written
+        # the slow way: this is counted twice per message)
+        self.held: dict[int, int] = dict.fromkeys(range(size), 0)
+        self.paused: set[int] = set()
+        self.p2p: dict[tuple[int, int], deque[w.Message]] = {}
+        # what this rank sent itself, per tag: encoded (a copy, as a peer gets), in order
+        self.to_self: dict[int, deque[tuple[Any, tuple[Any, ...]]]] = {}
+        self._failed_seq = -1  # the last collective that raised here (see _run_deferred)
+        self.p2p_in: dict[int, int] = {}  # next point-to-point number expected per sender
+        self.p2p_out: dict[int, int] = {}  # next number to send per destination
+        # what a peer answered it was doing, in words, and this rank's self.seq then (an
+        # answer read in an earlier call is not shown as the peer's state now)
+        self.status: dict[int, Said] = {}
+        # what a peer's answer said of the collective it is in or returned from last:
+        # (seq, opcode, root)
+        self.status_call: dict[int, Past] = {}
+        # the peers whose last answer said they are in a collective (not returned from it):
+        # its seq
+        self.status_in_call: dict[int, int] = {}
+        self.gone: dict[int, str] = {}  # peers known closed / lost / aborted, with why
+        # those of them declared gone on silence (heartbeats, a grace that ran out), not on
+        # a word or the end of their stream: a goodbye read later says why better
+        self._guessed: set[int] = set()
+        # those of them that aborted, not known closed: still there, and told goodbye (an
+        # aborted rank's own goodbye to a rank closed already lingered: 5 s at its exit)
+        self.aborters: set[int] = set()
+        self.suspects: dict[int, tuple[float, str]] = {}  # peer -> (grace ends, why)
+        self.dropped: Counter[str] = Counter()
+        self.sent = 0
+        self.received = 0
+        self.state = OPEN
+        self.cause: BaseException | None = None
+        self.active: Active | None = None
+        self.waiting_for: list[int] = []
+        # the error the call in progress raises at its next look (a mismatch, or a peer's
+        # abort of this call: see _fail_call)
+        self.mismatch: CtrlcommError | None = None
+        # this rank's object the current collective could not send (sent in its place)
+        self._send_failed: _ops.Failed | None = None
+        # the step _express waits for: (senders not read yet, payloads read by sender, kind,
+        # seq, round, opcode, root); an error its reads met in an awaited wait's callback;
+        # whether that callback handed anything to the sink (the general way takes over)
+        self._xstep = _NO_STEP
+        self._xerror: BaseException | None = None
+        self._xfell = False
+        self._in_place = False  # whether the current collective can send a failure so
+        self.last: tuple[str, int | None] = ("nothing yet", None)
+        self._lock = threading.Lock()
+        # (called as a call takes the group: an awaited call waiting for the sockets, in
+        # another thread's loop, then gives up: _aio._take_io)
+        self._nudge = endpoint.io.nudge
+        self._owner = ""
+        self._holder = 0  # the thread whose call last took the lock (0: close or abort did)
+        # awaited collectives of one event loop take turns (run_async): at key 0, the
+        # (thread, loop) whose awaited collective has the turn (none: none has; taken with
+        # setdefault, which no other thread can interleave), and the futures of those
+        # queued behind it (of that loop only), first come first
+        self._turn: dict[int, tuple[int, asyncio.AbstractEventLoop]] = {}
+        self._turns: deque[asyncio.Future[None]] = deque()
+        # why the group breaks once the turn's holder has ended: a collective queued behind
+        # it gave up (cancelled, timed out) before it began (cancelled_before_it_began)
+        self._owed = ""
+        # what close() and abort() asked for while a call held the group ("close", "") or
+        # ("abort", reason): the sockets are used by the thread holding the group only, so
+        # that thread does it, woken at once (see _defer)
+        self._deferred: list[tuple[str, str]] = []
+        # the (seq, opcode, root) of recent calls, by seq % len: a message of a call that
+        # returned here, from a rank that called something else, is a mismatch found late
+        self._recent: list[Past] = [Past(-1, 0, 0)] * RECENT
+        self.ctx = _plans.Ctx(rank, size)
+        self.hb = heartbeat
+        self._pid = os.getpid()  # (close() in a forked child leaves the parent's sockets be)
+        self.liveness_timeout = liveness_timeout
+        self._live_until = 0.0  # until then no peer's heartbeats can be overdue
+        self._look_at = 0.0  # when a send that does not wait reads its sockets next (_look)
+        # recursive doubling in a world that is not a power of two, with a data-only codec: a
+        # result that cannot be encoded where every partial one could (a sum beyond 64
+        # bits) is sent by the folded ranks alone (Core._folded_result)
+        self._check_folded = codec == w.MSGPACK and size > 2 and size & (size - 1) != 0
+        self._probed = False  # whether the current step asked the ranks it waits for
+        self._last_probe = -math.inf  # when a collective last asked them early (FIRST_PROBE)
+        self._probe_error: MismatchError | None = None  # the last raised from an answer
+        self._looked = False  # whether it read its sockets once more at the deadline
+        # before a wait raises a loss, the sockets are read to their end (see _wait): 0.0,
+        # not yet in this step; else until when it reads again while a read takes anything
+        # (SETTLE_S; -inf once one took nothing)
+        self._settle_until = 0.0
+        # small messages go to a stream endpoint framed in one piece (Core._post)
+        self._xs = cast(StreamEndpoint, endpoint) if endpoint.STREAM else None
+        self._stream = self._xs is not None
+        # ... and, pickled, the usual small object is framed in line (Core._post)
+        self._fast = self._stream and codec == w.PICKLE
+        # ... and read from its sender's socket in line (Core._express)
+        self._xr = cast(ExpressEndpoint, endpoint) if self._fast and endpoint.EXPRESS else None
+        self._xp = self._xr is not None
+        self._sink: Callable[[w.Message | None], int | None]  # (the mailbox's: Core)
