@@ -31,7 +31,7 @@ class _Awaited(Coroutine[Any, Any, Any]):
     cancelled as it is made, ``asyncio.wait_for(..., 0)``, a deadline already spent) is
     closed without running any of its body: nothing would know of the call, the group
     would stay open, and this rank's next collective would pair with the others' this one
-    (found in review: all_gather gave ``["second", "first"]`` on both ranks). asyncio runs
+    (two all_gathers would give ``["second", "first"]`` on both ranks). asyncio runs
     this as it runs a coroutine (``send``/``throw``), so a cancellation before it began
     reaches it: the group breaks, and the others are told, as for one cancelled in its
     first turn (:func:`cancelled_before_it_began`). The call itself (its arguments
@@ -235,15 +235,16 @@ async def run_async(core: Core, gen: Wait, collective: str = "",
     Awaited collectives of one event loop take turns, first come first: one started while
     another (another task's) has the turn waits for it, up to ``timeout`` (the call's:
     its own deadline starts as it begins). So collectives gathered with asyncio.gather run
-    on every rank in the order their tasks started, as torch's async_op works queue;
-    before, one was refused (ConcurrentUseError) on a rank where the other waited, and run
-    on a rank where the other had not had to: paired with the wrong call, silently. (The
+    on every rank in the order their tasks started, as torch's async_op works queue (where
+    one were refused on a rank where the other waited, and run on a rank where the other
+    had not had to wait, it would pair with the wrong call, silently). (The
     order is the one in which calls reach the group: where a task makes several in a row,
     another task's may come between them on one rank and not on another.) A call
     cancelled or timed out while queued is not made here, though the others may make it:
     the group breaks once the holder's call has ended (cancelled_before_it_began). A turn
     left by a loop closed before its call could end is taken over. Point-to-point calls,
-    and calls of other threads, are refused or waited for as before."""
+    and calls of other threads, are refused where the group is busy, or waited for (the
+    sockets: _take_io)."""
     turn = await _take_turn(core, gen, collective, timeout) if collective else None
     ep = core.ep
     try:
@@ -286,7 +287,7 @@ async def _take_turn(core: Core, gen: Wait, collective: str, timeout: float | No
                      ) -> tuple[int, asyncio.AbstractEventLoop] | None:
     """(run_async, a collective.) This loop's turn, waited for behind the collectives of
     this loop that started before; None where another thread or loop holds the turn (the
-    call is then refused as before, by the group)."""
+    call is then refused by the group, which is busy)."""
     turn = (_get_ident(), asyncio.get_running_loop())
     held = core._turn.setdefault(0, turn)
     if held is not turn and held[1].is_closed():

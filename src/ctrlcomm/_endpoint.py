@@ -40,7 +40,7 @@ class IoLock:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._guard = threading.Lock()  # (the waiters' list, between threads)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
@@ -48,18 +48,19 @@ class IoLock:
 
     def release(self) -> None:
         self._lock.release()
-        if self._waiters:  # (read without the guard: a waiter added meanwhile looks again)
+        if self.waiters:  # (read without the guard: a waiter added meanwhile looks again)
             self._wake_all()
 
     def nudge(self) -> None:
         """Wake the coroutines waiting (each looks again whether to give up): the group was
         taken by a call, which a waiter gives up for."""
-        if self._waiters:
+        if self.waiters:
             self._wake_all()
 
     def _wake_all(self) -> None:
-        with self._guard:
-            waiters, self._waiters = self._waiters, []
+        with self._guard:  # (emptied in place: the core holds the list, see Core)
+            waiters = self.waiters[:]
+            self.waiters.clear()
         for loop, fut in waiters:
             try:
                 loop.call_soon_threadsafe(_wake, fut)
@@ -85,7 +86,7 @@ class IoLock:
         while not give_up():
             fut: asyncio.Future[None] = loop.create_future()
             with self._guard:
-                self._waiters.append((loop, fut))
+                self.waiters.append((loop, fut))
             if self._lock.acquire(False):  # (released before this waiter was seen)
                 self._forget(loop, fut)
                 return True
@@ -106,7 +107,7 @@ class IoLock:
     def _forget(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
         with self._guard:
             try:
-                self._waiters.remove((loop, fut))
+                self.waiters.remove((loop, fut))
             except ValueError:  # (woken: taken off already)
                 pass
 

@@ -42,3 +42,27 @@ def test_mypy_strict_passes_on_src():
     rc, out = run(tool("mypy"), "--no-incremental", timeout=900)
     assert rc == 0, out
 
+
+
+def test_no_module_imports_itself_back():
+    """No import cycle among ctrlcomm's modules (lazy imports too; not the type checker's)."""
+    grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter")
+    g = grimp.build_graph("ctrlcomm", exclude_type_checking_imports=True)
+    adj = {m: sorted(x for x in g.find_modules_directly_imported_by(m)
+                     if x.startswith("ctrlcomm")) for m in g.modules}
+    done, path, cycles = set(), [], []
+
+    def visit(m):
+        path.append(m)
+        for n in adj[m]:
+            if n in path:
+                cycles.append(path[path.index(n):] + [n])
+            elif n not in done:
+                visit(n)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(adj):
+        if m not in done:
+            visit(m)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)

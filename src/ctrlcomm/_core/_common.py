@@ -177,21 +177,9 @@ class _XStep(NamedTuple):
 
 
 _NO_STEP = _XStep({}, {}, _COLL, -1, 0, 0, 0)
-
-
-class _StepAt(NamedTuple):
-    """Where a collective's step is: its call (seq, opcode, root, name), its round, and
-    the call's clock (start, deadline, first probe, timeout)."""
-
-    seq: int
-    rnd: int
-    opcode: int
-    root: int
-    name: str
-    start: float
-    deadline: float
-    probe_at: float
-    timeout: float
+# A named tuple made without its Python-level __new__: the core makes a few per call, and
+# that __new__ would cost more than the rest of making them
+_new = tuple.__new__
 
 
 # The drivers' code objects (each driver adds its own): a frame of one of them whose ``core``

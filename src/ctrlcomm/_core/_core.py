@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 from .. import _plans
@@ -27,6 +28,7 @@ from .._lifecycle import BROKEN, OPEN
 from ._common import (
     _FAIL_IN_PLACE,
     _NONE_LOST,
+    _PICKLE,
     BYE_TEXT,
     FIRST_PROBE,
     MAX_PAYLOAD,
@@ -40,8 +42,10 @@ from ._common import (
     _first_pass,
     _get_ident,
     _monotonic,
+    _new,
+    _ploads,
     _send_name,
-    _StepAt,
+    _undecodable,
 )
 from ._mailbox import _Mailbox
 
@@ -62,17 +66,41 @@ class Core(_Mailbox):
 
     # ------------------------------------------------------------------------ execution
 
-    def collective(self, call: Call, timeout: float | None) -> Wait:
+    def collective(self, call: Call, timeout: float | None) -> Wait:  # noqa: C901
         """Run a call's plan to completion (a generator that yields seconds to wait).
 
-        Each step's sends go out at once; then its receives (:meth:`_receive`). This loop
-        runs for every call: it is kept flat.
+        Each step's sends go out at once; then its receives: what is in the mailbox already,
+        else waits, each followed by a read of every ready socket. (No non-blocking read
+        before the first wait: the driver's wait returns at once when a socket is ready, and
+        a rank that waits for a reply, as every non-root rank of a star does, would find
+        nothing.) This loop runs for every call: it is kept flat, the usual path in line
+        and the unusual in methods (each call of a method here cost 1-2% of a small call),
+        which is why it is the one function of the tree over the complexity bound.
         """
         name, opcode, root = call.name, call.opcode, call.root
-        seq, t, start, deadline, probe_at = self._begin(call, timeout)
+        if self.state != OPEN or not self._lock.acquire(False):  # False: do not block
+            self.enter(name)  # raises: closed, broken, or busy
+        elif self._io_waiters:
+            self._nudge()  # (an awaited call of another thread waits for the sockets)
+        self._owner = name
+        self._holder = _get_ident()
+        seq = self._cur_seq = self.seq
+        self.seq = seq + 1
+        self._cur_call = (opcode, root)
+        self.active = _new(Active, (name, seq, opcode, root))
+        self._recent[seq % RECENT] = _new(Past, (seq, opcode, root))
+        t = self.timeout if timeout is None else timeout
+        start = _monotonic()
+        deadline = start + t
+        self._in_place = call.plan in _FAIL_IN_PLACE
+        probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in _wait, with its first probe
+        if start + FIRST_PROBE < probe_at:
+            probe_at = start + FIRST_PROBE
+        box = self.box
         ep = self.ep
         try:
-            self._check_early(seq, opcode, root)
+            if box.get(seq):  # messages of this call came before it began
+                self._check_early(seq, opcode, root)
             gen = call.plan(self.ctx, *call.args)
             send = gen.send
             reply: dict[int, Any] | None = None
@@ -81,7 +109,10 @@ class Core(_Mailbox):
                 try:
                     rnd, sends, recvs = send(reply)  # type: ignore[arg-type]
                 except StopIteration as e:
-                    result = self._result(e.value, call, seq)
+                    result = e.value
+                    if self.mismatch is not None or self._send_failed is not None \
+                            or self._check_folded:
+                        result = self._result(result, call, seq)
                     break
                 if sends:
                     if not recvs:  # (a step that waits finds its lost peers as it waits)
@@ -91,10 +122,62 @@ class Core(_Mailbox):
                         yield from self._backpressure([d for d, _ in sends], deadline, t,
                                                       name, seq)
                 reply = {}
-                if recvs:
-                    yield from self._receive(recvs, reply, _StepAt(seq, rnd, opcode, root,
-                                                                   name, start, deadline,
-                                                                   probe_at, t))
+                if not recvs:
+                    continue
+                # per step: its missing ranks are asked, its sockets read to the end at a loss
+                self._probed = self._looked = False
+                self._settle_until = 0.0
+                if self._xp and not box.get(seq) and not self.paused:
+                    # the usual step: each message read straight from its sender's socket
+                    # (what is left, or anything unusual, the general way below)
+                    recvs = yield from self._express(recvs, reply, seq, rnd, opcode, root,
+                                                     probe_at, name)
+                    if not recvs:
+                        continue
+                    # what made it stop, seen now (as after a wait below): a close or
+                    # abort asked for, an error met in a reader callback, events to read
+                    self.pump()
+                want = set(zip(repeat(rnd), recvs, strict=False))  # the mailbox keys this step waits for
+                while True:
+                    if self.mismatch is not None:
+                        raise self.mismatch
+                    slot = box.get(seq)
+                    if slot is not None:
+                        if slot.keys() >= want:
+                            # all in: this step completed, even if the group broke meanwhile
+                            # (an abort of a later call, read with its last message: the
+                            # next step that must wait, or the next call, raises)
+                            break
+                        missing = [s for s in recvs if (rnd, s) not in slot]
+                    else:
+                        missing = list(recvs)
+                    if self.state == BROKEN:
+                        raise self._cause_in(f"{name} #{seq}")
+                    now = _monotonic()
+                    if now < probe_at and now < self._live_until and not self.gone \
+                            and not self.suspects and not self.paused:
+                        # what _wait answers in the usual case, without its call: nobody
+                        # lost or suspect, no deadline or probe due yet
+                        self.waiting_for = missing
+                        yield min(probe_at, self._live_until) - now
+                    else:
+                        yield self._wait(missing, deadline, t, name, seq, start)
+                    if self._deferred or ep.closed:
+                        self.pump()  # does what close() or abort() asked; raises if closed
+                    ep.drain(self._sink)
+                held = self.held
+                unpickle = self._unpickle
+                for s in recvs:
+                    m = slot.pop((rnd, s))
+                    held[s] -= 1
+                    try:  # self._decode, without two calls for the usual codec
+                        reply[s] = _ploads(m.payload, buffers=m.buffers) \
+                            if m.codec == _PICKLE and unpickle \
+                            else w.loads(m.payload, m.buffers, m.codec, unpickle)
+                    except Exception as e:  # unpickling runs code: anything can come out
+                        raise _undecodable(m, name, seq, e) from e
+                if self.paused:
+                    self._resume_caught_up(recvs)
             self.last = (name, seq)
             return result
         except GeneratorExit:
@@ -108,32 +191,19 @@ class Core(_Mailbox):
             self._failed(e, name, seq)
             raise
         finally:
-            self._end(seq)
-
-    def _begin(self, call: Call, timeout: float | None
-               ) -> tuple[int, float, float, float, float]:
-        """A collective takes the group and its number: (seq, timeout, start, deadline,
-        when it first asks the ranks it waits for)."""
-        name, opcode, root = call.name, call.opcode, call.root
-        if self.state != OPEN or not self._lock.acquire(False):  # False: do not block
-            self.enter(name)  # raises: closed, broken, or busy
-        else:
-            self._nudge()
-        self._owner = name
-        self._holder = _get_ident()
-        seq = self._cur_seq = self.seq
-        self.seq = seq + 1
-        self._cur_call = (opcode, root)
-        self.active = Active(name, seq, opcode, root)
-        self._recent[seq % RECENT] = Past(seq, opcode, root)
-        t = self.timeout if timeout is None else timeout
-        start = _monotonic()
-        deadline = start + t
-        self._in_place = call.plan in _FAIL_IN_PLACE
-        probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in _wait, with its first probe
-        if start + FIRST_PROBE < probe_at:
-            probe_at = start + FIRST_PROBE
-        return seq, t, start, deadline, probe_at
+            self._send_failed = None
+            left = box.pop(seq, None)
+            if left:  # duplicates, or the rest of a failed call
+                self.dropped["stale"] += len(left)
+                self._release([src for _, src in left])
+            self.active = None
+            self._cur_seq = -1
+            self.mismatch = None
+            self.waiting_for = _NONE_LOST
+            self._owner = ""  # self.leave(), inline
+            self._lock.release()
+            if self._deferred:  # asked for while this call held the group
+                self._run_deferred_unlocked()
 
     def _check_early(self, seq: int, opcode: int, root: int) -> None:
         """Messages of this call that came before it began: of the same call?"""
@@ -190,24 +260,6 @@ class Core(_Mailbox):
             self._tell_peers(w.ABORT, why, seq, w.ABORT_AT_CALL)
             self.brk(GroupBrokenError(why))  # (the cause: a KeyboardInterrupt says nothing)
         self.brk(e)
-
-    def _end(self, seq: int) -> None:
-        """A collective gives the group back (whatever its end)."""
-        self._send_failed = None
-        left = self.box.pop(seq, None)
-        if left:  # duplicates, or the rest of a failed call
-            self.dropped["stale"] += len(left)
-            self._release([src for _, src in left])
-        self.active = None
-        self._cur_seq = -1
-        self.mismatch = None
-        self.waiting_for = _NONE_LOST
-        self._owner = ""  # self.leave(), inline
-        self._lock.release()
-        if self._deferred:  # asked for while this call held the group
-            self._run_deferred_unlocked()
-
-    # ------------------------------------------------------------------ point to point
 
     def send(self, obj: Any, dst: int | tuple[int, ...], tag: int, timeout: float | None,
              what: str = "") -> Wait:

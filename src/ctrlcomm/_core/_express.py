@@ -18,6 +18,7 @@ from ._common import (
     _PICKLE,
     BYE_TEXT,
     _monotonic,
+    _new,
     _ploads,
     _undecodable,
     _XStep,
@@ -48,7 +49,7 @@ class _Express(_Liveness):
         assert ep is not None  # (self._xp)
         left = dict.fromkeys(recvs)  # the senders not read yet (ordered; O(1) to look up)
         raw: dict[int, bytearray] = {}  # the payloads read, by sender
-        self._xstep = _XStep(left, raw, kind, seq, rnd, opcode, root)
+        self._xstep = _new(_XStep, (left, raw, kind, seq, rnd, opcode, root))
         self._xfell = False
         ended = False
         try:

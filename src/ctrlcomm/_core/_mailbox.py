@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Generator, Sequence
-from itertools import repeat
+from collections.abc import Sequence
 from typing import Any
 
 from .. import _wire as w
@@ -18,16 +17,12 @@ from .._errors import (
 from .._lifecycle import BROKEN
 from ._common import (
     _COLL,
-    _PICKLE,
     HOLD_HIGH,
     HOLD_LOW,
     MAX_BACKLOG,
     RECENT,
     Said,
     Wait,
-    _monotonic,
-    _ploads,
-    _StepAt,
     _undecodable,
     describe,
 )
@@ -54,32 +49,10 @@ class _Mailbox(_Express):
         if kind == w.HELLO:  # (it names the connection's sender: nothing else to do)
             return src
         self.received += 1
-        if kind == _COLL:
-            return self._take_coll(m)
-        if kind == w.P2P:
-            # each sender numbers its point-to-point messages to this rank 1, 2, 3...: an
-            # old number is a replay (it would pass the MAC: the frame is genuine)
-            if seq < self.p2p_in.get(src, 1):
-                self.dropped["replayed"] += 1
-                return None
-            self.p2p_in[src] = seq + 1
-            self.p2p.setdefault((src, rnd), deque()).append(m)
-        elif kind == w.STATUS_REQ:
-            self._answer_status(src)
-        elif kind == w.STATUS_REP:
-            self._take_status(m)
-        elif kind == w.BYE:
-            why = bytes(m.payload).decode(errors="replace")  # (why it was broken, if it was)
-            self._known_gone(src, f"closed the group (broken there: {why})" if why
-                             else "closed the group")
-            self.aborters.discard(src)
-        elif kind == w.ABORT:
-            self._take_abort(m)
-        return src
-
-    def _take_coll(self, m: w.Message) -> int | None:
-        """(_accept) A collective's message, kept in the mailbox by (seq, round, sender)."""
-        _, src, _, seq, rnd, op, root, _, _, _ = m
+        if kind != _COLL:
+            return self._take_other(m)
+        # a collective's message, kept in the mailbox by (seq, round, sender) (the usual
+        # message: not a method of its own, one call less for each)
         if seq < self.seq - (self._cur_seq >= 0):
             past = self._recent[seq % RECENT]
             if past.seq == seq and (op != past.op or root != past.root):
@@ -103,6 +76,30 @@ class _Mailbox(_Express):
             self.ep.pause(src)
         if seq == self._cur_seq and (op, root) != self._cur_call:
             self._set_mismatch(m)
+        return src
+
+    def _take_other(self, m: w.Message) -> int | None:
+        """(_accept) A message that is not a collective's."""
+        kind, src, _, seq, rnd, _, _, _, _, _ = m
+        if kind == w.P2P:
+            # each sender numbers its point-to-point messages to this rank 1, 2, 3...: an
+            # old number is a replay (it would pass the MAC: the frame is genuine)
+            if seq < self.p2p_in.get(src, 1):
+                self.dropped["replayed"] += 1
+                return None
+            self.p2p_in[src] = seq + 1
+            self.p2p.setdefault((src, rnd), deque()).append(m)
+        elif kind == w.STATUS_REQ:
+            self._answer_status(src)
+        elif kind == w.STATUS_REP:
+            self._take_status(m)
+        elif kind == w.BYE:
+            why = bytes(m.payload).decode(errors="replace")  # (why it was broken, if it was)
+            self._known_gone(src, f"closed the group (broken there: {why})" if why
+                             else "closed the group")
+            self.aborters.discard(src)
+        elif kind == w.ABORT:
+            self._take_abort(m)
         return src
 
     def _take_abort(self, m: w.Message) -> None:
@@ -194,71 +191,3 @@ class _Mailbox(_Express):
             return w.loads(m.payload, m.buffers, m.codec, self._unpickle)
         except Exception as e:  # unpickling runs code: anything can come out
             raise _undecodable(m, what, seq, e) from e
-
-    def _receive(self, recvs: Sequence[int], reply: dict[int, Any], at: _StepAt) -> Wait:
-        """A step's receives: what is in the mailbox already, else waits, each followed by a
-        read of every ready socket. (No non-blocking read before the first wait: the
-        driver's wait returns at once when a socket is ready, and a rank that waits for a
-        reply, as every non-root rank of a star does, would find nothing.)"""
-        seq, rnd = at.seq, at.rnd
-        # per step: its missing ranks are asked, its sockets read to the end at a loss
-        self._probed = self._looked = False
-        self._settle_until = 0.0
-        if self._xp and not self.box.get(seq) and not self.paused:
-            # the usual step: each message read straight from its sender's socket
-            # (what is left, or anything unusual, the general way below)
-            recvs = yield from self._express(recvs, reply, seq, rnd, at.opcode, at.root,
-                                             at.probe_at, at.name)
-            if not recvs:
-                return
-            # what made it stop, seen now (as after a wait below): a close or
-            # abort asked for, an error met in a reader callback, events to read
-            self.pump()
-        slot = yield from self._mailbox_step(recvs, at)
-        held = self.held
-        unpickle = self._unpickle
-        for s in recvs:
-            m = slot.pop((rnd, s))
-            held[s] -= 1
-            try:  # self._decode, without two calls for the usual codec
-                reply[s] = _ploads(m.payload, buffers=m.buffers) \
-                    if m.codec == _PICKLE and unpickle \
-                    else w.loads(m.payload, m.buffers, m.codec, unpickle)
-            except Exception as e:  # unpickling runs code: anything can come out
-                raise _undecodable(m, at.name, seq, e) from e
-        if self.paused:
-            self._resume_caught_up(recvs)
-
-    def _mailbox_step(self, recvs: Sequence[int], at: _StepAt
-                      ) -> Generator[float, None, dict[tuple[int, int], w.Message]]:
-        """Wait until the mailbox holds a message of each of ``recvs`` for this step: the
-        call's slot of the mailbox."""
-        seq, rnd, ep, box = at.seq, at.rnd, self.ep, self.box
-        want = set(zip(repeat(rnd), recvs))  # the mailbox keys this step waits for
-        while True:
-            if self.mismatch is not None:
-                raise self.mismatch
-            slot = box.get(seq)
-            if slot is not None:
-                if slot.keys() >= want:
-                    # all in: this step completed, even if the group broke meanwhile
-                    # (an abort of a later call, read with its last message: the
-                    # next step that must wait, or the next call, raises)
-                    return slot
-                missing = [s for s in recvs if (rnd, s) not in slot]
-            else:
-                missing = list(recvs)
-            if self.state == BROKEN:
-                raise self._cause_in(f"{at.name} #{seq}")
-            now = _monotonic()
-            if now < at.probe_at and now < self._live_until and not self.gone \
-                    and not self.suspects and not self.paused:
-                # what _wait answers in the usual case, without its call: nobody
-                # lost or suspect, no deadline or probe due yet
-                self.waiting_for = missing
-                yield min(at.probe_at, self._live_until) - now
-            else:
-                yield self._wait(missing, at.deadline, at.timeout, at.name, seq, at.start)
-            if self._deferred or ep.closed:
-                self.pump()  # does what close() or abort() asked; raises if closed
-            ep.drain(self._sink)

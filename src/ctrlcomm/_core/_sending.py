@@ -68,7 +68,10 @@ class _Sending(_CoreState):
         # the usual object pickled by w.dumps' first pass (the others go on from what it found)
         enc = _first_pass(obj) if self._fast and not each else None
         if type(enc) is bytes and len(enc) < COPY_THRESHOLD:  # the usual message
-            self._emit(_COLL, dsts, seq, rnd, opcode, root, _PICKLE, enc, ())
+            # (_emit's first way, in line: this runs for every small call's send)
+            self._xs.send_framed(dsts, w.stream_messages(  # type: ignore[union-attr]
+                dsts, _COLL, self.rank, self.group_id, seq, rnd, opcode, root, _PICKLE, enc,
+                self.key))
         else:
             self._post_each(sends, each, dsts, rnd, seq, opcode, root, enc)
         self.sent += len(sends)

@@ -82,7 +82,8 @@ class _Session(_Sending):
             raise ConcurrentUseError(
                 f"group {self.name!r} (rank {self.rank}) is busy with {self._owner}: a group is "
                 f"used by one thread or coroutine at a time (called {what})")
-        self._nudge()
+        if self._io_waiters:  # (an awaited call of another thread waits for the sockets)
+            self._nudge()
         self._owner = what
         self._holder = _get_ident()
         try:

@@ -112,6 +112,7 @@ class _CoreState:
         # (called as a call takes the group: an awaited call waiting for the sockets, in
         # another thread's loop, then gives up: _aio._take_io)
         self._nudge = endpoint.io.nudge
+        self._io_waiters = endpoint.io.waiters  # (the same list for the endpoint's life)
         self._owner = ""
         self._holder = 0  # the thread whose call last took the lock (0: close or abort did)
         # awaited collectives of one event loop take turns (run_async): at key 0, the

@@ -475,10 +475,10 @@ def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,
     set once (``set_if_absent``): "1" by the last rank to read the table (formed), or
     "!rank|why" by the first rank whose wait ran out (failed; why names the ranks that had
     not read the table, where the store can tell: they joined, so they are not
-    ``missing``). So no rank's group is formed where another's is not. (Before, a rank
-    that had read the table returned a group while rank 0 failed, waiting for a rank that
-    had died after joining; its first call then blamed rank 0, "stopped answering
-    heartbeats", not the rank that had died.) ``known``: the value, where this rank set
+    ``missing``). So no rank's group is formed where another's is not (else a rank that had
+    read the table would return a group while rank 0 failed, waiting for a rank that had
+    died after joining, and its first call would blame rank 0, "stopped answering
+    heartbeats", not the rank that had died). ``known``: the value, where this rank set
     it, or found it set, as the last to read the table.
 
     Formed, rank 0 returns once every rank has read the value (the last sets ``all-seen``),

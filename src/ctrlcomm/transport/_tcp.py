@@ -1029,8 +1029,8 @@ def _flush_at_mp_exit() -> None:
     """In a process multiprocessing started, :func:`_flush_at_exit` at its exit too: such a
     process leaves through ``os._exit`` (its ``atexit`` functions do not run), after its
     own finalizers (``multiprocessing.util.Finalize``, registered here once per process: a
-    forked child's registry starts empty). Before, a rank that returned with its group
-    unclosed lost what was still queued for its peers (they saw it "gone")."""
+    forked child's registry starts empty). Without it a rank that returned with its group
+    unclosed would lose what was still queued for its peers (they would see it "gone")."""
     global _mp_flush_pid
     if _mp_flush_pid == os.getpid():
         return

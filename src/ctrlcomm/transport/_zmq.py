@@ -470,9 +470,9 @@ def _farewell(socks: list[tuple[zmq.Socket[Any], zmq.MessageTracker, str]],
     and again); else at LINGER_MS, as the other sockets. Then terminate ``ctx``, the
     endpoint's own context (None: the caller's, which the caller terminates).
 
-    (Before, every socket lingered LINGER_MS: a process whose peers had closed first waited
-    5 s to exit, the usual end of a group closed on every rank at once, where goodbyes take
-    connections made at close.)"""
+    (Why not linger LINGER_MS on every socket: a process whose peers had closed first would
+    wait 5 s to exit, the usual end of a group closed on every rank at once, where goodbyes
+    take connections made at close.)"""
     end = time.monotonic() + LINGER_MS / 1000
     left = list(enumerate(socks))
     probe_at = [0.0] * len(socks)
