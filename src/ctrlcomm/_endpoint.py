@@ -20,7 +20,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from . import _wire as w
 
@@ -117,6 +117,7 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+@runtime_checkable
 class Endpoint(Protocol):
     """One rank's sockets in one group, as the core uses them.
 
@@ -194,6 +195,7 @@ class Endpoint(Protocol):
         """Close the sockets, after a bounded linger for what is queued (not to ``gone``)."""
 
 
+@runtime_checkable
 class StreamEndpoint(Endpoint, Protocol):
     """An endpoint whose peers' messages travel as one byte stream each, in the wire's stream
     framing (``STREAM`` true): the core may frame small messages itself."""
@@ -205,6 +207,7 @@ class StreamEndpoint(Endpoint, Protocol):
         """Bytes already in the stream framing, to each of ``dsts``."""
 
 
+@runtime_checkable
 class ExpressEndpoint(StreamEndpoint, Protocol):
     """A stream endpoint that also reads in line (``EXPRESS`` true): a step's expected
     messages straight from their senders' sockets, into the call (Core._express), where
@@ -239,6 +242,7 @@ def turn_due(ep: Endpoint) -> bool:
     return True
 
 
+@runtime_checkable
 class Liveness(Protocol):
     """What the core asks of a heartbeat: when each peer was last heard from, on its own
     thread, so that a rank busy elsewhere still answers (``transport.Heartbeat``)."""

@@ -240,3 +240,25 @@ def test_the_auth_key_fallback_takes_the_given_key_else_a_set_environment_variab
     monkeypatch.delenv("CTRLCOMM_AUTH_KEY")
     assert auth_key_or_env() is None
     assert auth_key_or_env("k") == b"k"
+
+
+def test_each_transport_is_an_endpoint_with_the_capabilities_it_says():
+    """The core knows a transport only through ctrlcomm._endpoint's protocols: both of
+    ours implement Endpoint, the TCP one the stream and express capabilities too, each as
+    its STREAM and EXPRESS flags say; and the heartbeat is what the core asks of liveness."""
+    from ctrlcomm._endpoint import Endpoint, ExpressEndpoint, Liveness, StreamEndpoint
+    from ctrlcomm.transport import Heartbeat, make_endpoint
+
+    for kind in ("tcp", "zmq"):
+        ep = make_endpoint(kind, "127.0.0.1")
+        try:
+            assert isinstance(ep, Endpoint) and ep.kind == kind
+            assert isinstance(ep, StreamEndpoint) == ep.STREAM == (kind == "tcp")
+            assert isinstance(ep, ExpressEndpoint) == ep.EXPRESS == (kind == "tcp")
+        finally:
+            ep.close()
+    hb = Heartbeat("127.0.0.1", 0, 0, None, 1.0)
+    try:
+        assert isinstance(hb, Liveness)
+    finally:
+        hb.close()
