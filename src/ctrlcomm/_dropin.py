@@ -14,7 +14,6 @@ from . import _plans
 from ._aio import _Awaited
 from ._aio import _coroutine_function as coroutine_function
 from ._calls import _rank_arg, _validate_world
-from ._calls import _timeout_arg as timeout_arg
 from ._drivers import run_sync
 from ._group import Group as Group
 from ._group import _through_store, close_when_dropped
@@ -28,7 +27,7 @@ __all__ = [
     "Group", "StoreClient", "StoreServer",
     "auth_key_or_env", "awaited", "check_open", "close_when_dropped", "coroutine_function",
     "default_timeout", "endpoint_addresses", "form_through_store", "host_of", "others",
-    "rank_arg", "recv", "recv_self", "send", "send_self", "store_seconds", "timeout_arg",
+    "rank_arg", "recv", "recv_self", "send", "send_self", "store_seconds",
     "validate_world",
 ]
 

@@ -294,7 +294,7 @@ def _form_core(j: _Joining, liveness_timeout: float | None) -> Core:
     gid = _group_id(name, nonce)
     mac_key = _group_key(secret, gid, j.key)
     hb.group_id, hb.key = gid, mac_key
-    procs = {r: "proc:" + a.value("proc") for r, a in records.items() if a.value("proc")}
+    procs = {r: p[0] for r, a in records.items() if (p := a.named("proc"))}
     hb.start({r: (_host_of(peers[r]), a.udp_port) for r, a in records.items() if r != j.rank},
              same_host_procs(procs, proc_address()))
     return Core(name=name, rank=j.rank, size=j.world_size, group_id=gid, endpoint=ep,

@@ -122,7 +122,7 @@ def _joined_from(address: bytes) -> str:
     if rec is None:
         return "from an unknown address"
     where = f"from {rec.endpoint}"
-    proc = ["proc", *rec.value("proc").split(":")] if rec.value("proc") else []
+    proc = next(iter(rec.named("proc")), "").split(":")
     mine = proc_address().split(":")
     if len(proc) == 4 and len(mine) == 4:
         if proc[1] == mine[1]:
@@ -134,7 +134,7 @@ def _joined_from(address: bytes) -> str:
 def _token(address: str) -> str:
     """The "join:" field of an address line: its try's own ("" from a release without)."""
     rec = _record(address)
-    return "join:" + rec.value("join") if rec is not None and rec.value("join") else ""
+    return next(iter(rec.named("join")), "") if rec is not None else ""
 
 
 def _not_joined(missing: list[int], gave_up: list[int]) -> str:
