@@ -13,31 +13,16 @@ import time
 
 from ctrlcomm import _wire as w
 from ctrlcomm._core import Core
-from ctrlcomm._endpoint import IoLock
 from ctrlcomm._group import Group
+from ctrlcomm.testing._standin import StandInEndpoint
 
 
-class AnsweringEndpoint:
+class AnsweringEndpoint(StandInEndpoint):
     """Stands in for the root: every message sent gets the same payload back from rank 0."""
 
-    io = IoLock()  # (the sockets' lock: see ctrlcomm._endpoint.IoLock)
-    STREAM = True  # takes the usual message framed in one piece, as TcpEndpoint does
-    EXPRESS = False
-    closed = False
-    unflushed: frozenset[int] = frozenset()
-    key = None
-
     def __init__(self) -> None:
+        super().__init__()
         self.pending: list[w.Message] = []
-
-    def attach(self, sink, on_lost, key, me) -> None:
-        pass
-
-    def set_hello(self, hello) -> None:
-        pass
-
-    def push(self, budget_s: float) -> None:
-        pass
 
     def _answer(self, header: tuple, payload: bytes) -> None:
         op, seq, rnd = header[3], header[8], header[9]
@@ -56,15 +41,6 @@ class AnsweringEndpoint:
         for m in got:
             sink(m)
         return len(got)
-
-    def wait(self, timeout: float) -> None:
-        pass
-
-    def send(self, dst, frames) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def answered_group() -> Group:

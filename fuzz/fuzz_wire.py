@@ -38,9 +38,11 @@ def one_input(data: bytes) -> None:
     frames = split(data)
     for key in (None, KEY):
         try:
-            w.decode(frames, key)
+            m = w.decode(frames, key)
         except WireError:
-            pass
+            continue
+        st = w.decode_status(m)  # (any message read as a status reply: never raises)
+        assert st.where in (0, w.STATUS_IN_CALL, w.STATUS_RETURNED) and isinstance(st.text, str)
     dec = w.StreamDecoder(max_message=1 << 20)
     try:
         step = (data[0] % 13 + 1) if data else 1
@@ -54,6 +56,7 @@ def one_input(data: bytes) -> None:
         pass
     reason = w.decode_abort(data)  # (never raises: whatever a peer says is its reason)
     assert isinstance(reason.text, str) and all(type(r) is int for r in reason.ranks)
+    assert isinstance(w.said(data), str)  # (a BYE's or STATUS_REP's words: never raises)
     try:
         w.decode_address(data.decode(errors="replace"))
     except WireError:

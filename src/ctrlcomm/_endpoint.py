@@ -5,8 +5,9 @@ which one they have. ``ctrlcomm.transport`` implements it twice (TCP, ZeroMQ), a
 transport implements it the same way. Two capabilities are optional: an endpoint whose messages
 travel as one byte stream per peer, in the wire's stream framing, says so (``STREAM``) and
 implements :class:`StreamEndpoint` too, which lets the core frame a small message in one
-piece; one that can also read an expected message straight from its sender's socket is an
-:class:`ExpressEndpoint` (``EXPRESS``).
+piece; one whose drain can also take the messages a call waits for the short way (a read
+that begins with one: a header compared, not decoded) is an :class:`ExpressEndpoint`
+(``EXPRESS``). There is one read path either way: :meth:`Endpoint.drain`.
 
 Who owns what: the endpoint owns its sockets and the buffers behind them; the core owns the
 messages once :meth:`Endpoint.drain` hands them to the sink, and decides everything about
@@ -20,7 +21,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from . import _wire as w
 
@@ -117,6 +118,24 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+class Expected(NamedTuple):
+    """The messages a step of a call waits for, one from each sender of ``left``, as an
+    :class:`ExpressEndpoint`'s drain may take them the short way: their header (a
+    collective's, or a point-to-point message's: ``kind``), with the group, call number,
+    round (a point-to-point tag), opcode and root given, pickled, no flags, no buffers. The
+    core takes a sender out of ``left`` when its message comes either way; a drain that takes
+    one the short way puts its payload in ``raw`` and takes it out of ``left`` too."""
+
+    left: dict[int, None]  # the senders whose message has not come yet
+    raw: dict[int, bytearray]  # the payloads taken the short way, by sender
+    group_id: int
+    kind: int
+    seq: int
+    round: int
+    op: int
+    root: int
+
+
 @runtime_checkable
 class Endpoint(Protocol):
     """One rank's sockets in one group, as the core uses them.
@@ -179,7 +198,8 @@ class Endpoint(Protocol):
         """Send what is queued, for at most ``budget_s`` seconds."""
 
     def drain(self, sink: Sink) -> object:
-        """Read what arrived without waiting, into ``sink``."""
+        """Read what arrived without waiting, into ``sink`` (the one read path: an
+        :class:`ExpressEndpoint` takes its ``expect`` the short way in it)."""
 
     def settle(self, sink: Sink) -> None:
         """Read until nothing more arrives at once (a bounded number of drains)."""
@@ -209,25 +229,20 @@ class StreamEndpoint(Endpoint, Protocol):
 
 @runtime_checkable
 class ExpressEndpoint(StreamEndpoint, Protocol):
-    """A stream endpoint that also reads in line (``EXPRESS`` true): a step's expected
-    messages straight from their senders' sockets, into the call (Core._express), where
-    they are the usual small pickled ones."""
+    """A stream endpoint whose :meth:`Endpoint.drain` takes the messages a call's step waits
+    for (``expect``, set by the core while the step waits) the short way, where a read of a
+    sender's socket begins with its message: compared with the header expected and copied,
+    without the decoder or the sink. Everything else goes to the sink as usual; the drain
+    returns whether anything did (an awaited wait's reader callback wakes the call then, or
+    when the step is complete)."""
 
-    xtake: Callable[[list[tuple[int, int]]], bool] | None  # an awaited wait's in-line reader
+    expect: Expected | None
 
-    def pop_ready(self) -> list[tuple[int, int]] | None:
-        """The readiness events the last wait saw, taken (None: none kept)."""
+    def drain(self, sink: Sink) -> bool: ...
 
-    @property
-    def failed(self) -> bool:
-        """Whether a reader callback met an error that the next drain raises."""
-
-    def read_expected(self, ready: list[tuple[int, int]], left: dict[int, None],
-                      raw: dict[int, bytearray], group_id: int, kind: int, seq: int,
-                      rnd: int, op: int, root: int, sink: Sink) -> bool:
-        """Read, from the ``ready`` sockets of the peers in ``left``, the usual message a
-        step expects of each into ``raw`` (see TcpEndpoint.read_expected); True where it met
-        something else and left the rest for :meth:`Endpoint.drain`."""
+    def take_error(self) -> Exception | None:
+        """The error an awaited wait's reader callback met and the next drain would raise,
+        taken (the call it read for was cancelled before it could raise it)."""
 
 
 def turn_due(ep: Endpoint) -> bool:

@@ -319,6 +319,38 @@ def decode_abort(payload: Any) -> AbortReason:
     return AbortReason(ABORT_OWN, text)
 
 
+def said(payload: Any) -> str:
+    """A control message's words (a BYE's why its sender's group broke, if it did; a
+    STATUS_REP's account): UTF-8. Never raises: undecodable bytes are replaced."""
+    return bytes(payload).decode(errors="replace")
+
+
+class Status(NamedTuple):
+    """A STATUS_REP: what its sender is doing, in answer to a STATUS_REQ.
+
+    ``where``: STATUS_IN_CALL (it is in collective #``seq``, of ``op`` and ``root``),
+    STATUS_RETURNED (that is the last one it returned from) or 0 (neither: the numbers are
+    0 and NO_ROOT); ``text``: the same in words, for an error to quote. The numbers travel in
+    the header (``where`` as its round), the words as the payload (:meth:`encode`)."""
+
+    where: int
+    seq: int
+    op: int
+    root: int
+    text: str
+
+    def encode(self) -> bytes:
+        return self.text.encode()
+
+
+def decode_status(m: Message) -> Status:
+    """The status a STATUS_REP says. Never raises: a ``where`` this release does not know
+    reads as 0 (its numbers then say nothing)."""
+    if m.round in (STATUS_IN_CALL, STATUS_RETURNED):
+        return Status(m.round, m.seq, m.op, m.root, said(m.payload))
+    return Status(0, 0, 0, NO_ROOT, said(m.payload))
+
+
 ALIKE = ("ws", "codec", "tr", "wire")  # the fields every rank of a group must have alike
 
 
@@ -836,7 +868,7 @@ def usual_expected(buf: bytes | bytearray, got: int, head: bytes, key: bytes, ds
     ``dst``; 0 where it is not (another message, one the read cut, or a bad MAC: the
     decoder then takes the read, and says what it is). Its payload is
     ``buf[EXPRESS_SIZE:end - MAC_SIZE]``. For a reader that expects that message and takes it
-    apart from the decoder (TcpEndpoint.read_expected)."""
+    apart from the decoder (TcpEndpoint._expected)."""
     if got < EXPRESS_SIZE:
         return 0
     lead, size, mac_len, h = EXPRESS.unpack_from(buf)

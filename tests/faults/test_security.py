@@ -1,5 +1,6 @@
 """Authentication, replay, the data-only codec, bind hygiene, garbage on every socket."""
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -65,6 +66,40 @@ def test_authenticated_group_drops_forged_unauthenticated_and_replayed_frames():
     assert r0[4].get("malformed") == 2, r0
     assert r0[4].get("duplicate_source") == 1, r0  # the second connection, at its genuine frame
     assert r0[4].get("replayed") == 1, r0
+
+
+def replay_behind_the_message_waited_for(g, awaited):
+    """Rank 0 waits in recv (the short way takes the message it waits for: see
+    test_express); rank 1 writes that message and a replay of it in one piece, as one read
+    takes them: the message comes once, the replay behind it is dropped as one."""
+    for r in range(2):  # each rank waits once the general way first (see test_express.settle)
+        if g.rank == r:
+            time.sleep(0.05)
+        g.barrier()
+    g.barrier()
+    if g.rank == 1:
+        time.sleep(0.3)  # rank 0 waits in its recv
+        genuine = w.encode(w.Message(w.P2P, 1, g._core.group_id, 1, 0, 0, w.NO_ROOT, w.PICKLE,
+                                     pickle.dumps("ok", protocol=5)), key=g._core.key, dst=0)
+        framed = w.stream_prefix(genuine) + b"".join(genuine)
+        g._core.ep.send_framed((0,), [framed + framed])
+        g.barrier()
+        return None
+    out = [asyncio.run(g.aio.recv(1, timeout=10)) if awaited else g.recv(1, timeout=10)]
+    try:
+        g.recv(1, timeout=0.5)
+    except ctrlcomm.CollectiveTimeoutError:
+        out.append("replay dropped")
+    out.append(g.stats()["dropped"].get("replayed"))
+    g.barrier()
+    return out
+
+
+@pytest.mark.parametrize("awaited", [False, True], ids=["blocking", "awaited"])
+def test_a_replay_read_behind_the_message_a_recv_waits_for_is_dropped(awaited):
+    res = run_group(replay_behind_the_message_waited_for, 2, awaited,
+                    group_kwargs={"auth_key": KEY})
+    assert res[0] == ["ok", "replay dropped", 1], res[0]
 
 
 def frame_for_another_rank(g):

@@ -7,27 +7,12 @@ order of the core's steps, not communication (tests/faults does that with real r
 
 from ctrlcomm import _wire as w
 from ctrlcomm._core import Core
-from ctrlcomm._endpoint import IoLock
+from ctrlcomm.testing._standin import StandInEndpoint
 
 
-class RecordingEndpoint:
-    STREAM = True
-    EXPRESS = False
-    key = None
-
-    def attach(self, sink, on_lost, key, me):
-        self.sink, self.on_lost, self.key, self.me = sink, on_lost, key, me
-
-    def set_hello(self, hello):
-        pass
-
-    def send_last(self, dst, frames):
-        self.send(dst, frames)
-
+class RecordingEndpoint(StandInEndpoint):
     def __init__(self, during_first_send):
-        self.io, self.held_async = IoLock(), False
-        self.closed = False
-        self.unflushed = set()
+        super().__init__()
         self.log = []
         self.during_first_send = during_first_send
 
@@ -38,12 +23,6 @@ class RecordingEndpoint:
         hook, self.during_first_send = self.during_first_send, None
         if hook is not None:
             hook()  # (a signal handler, run in the middle of the send)
-
-    def push(self, budget_s):
-        pass
-
-    def wake(self):
-        pass
 
     def close(self, gone=()):
         self.log.append(("closed", None))

@@ -12,32 +12,15 @@ import pytest
 import ctrlcomm
 from ctrlcomm import _wire as w
 from ctrlcomm._core import Core
-from ctrlcomm._endpoint import IoLock
 from ctrlcomm._group import Group
+from ctrlcomm.testing._standin import StandInEndpoint
 
 GID = 7
 
 
-class ScriptedEndpoint:
-    io = IoLock()  # (the sockets' lock: see ctrlcomm._endpoint.IoLock)
-    STREAM = True
-    EXPRESS = False
-    closed = False
-    key = None
-
-    def attach(self, sink, on_lost, key, me):
-        self.sink, self.on_lost, self.key, self.me = sink, on_lost, key, me
-
-    def set_hello(self, hello):
-        pass
-
-    def send_last(self, dst, frames):
-        self.send(dst, frames)
-
-    def push(self, budget_s):
-        pass
-
+class ScriptedEndpoint(StandInEndpoint):
     def __init__(self, batches, unflushed=False):
+        super().__init__()
         self.batches = list(batches)
         self.unflushed = {"queued"} if unflushed else set()
         self.sent = []
@@ -48,30 +31,15 @@ class ScriptedEndpoint:
     def send_many(self, dsts, frames):
         self.sent.append(list(dsts))
 
-    def send(self, dst, frames):
-        pass
-
     def drain(self, sink):
         got = self.batches.pop(0) if self.batches else []
         for m in got:
             sink(m)
         return len(got)
 
-    def wait(self, timeout):
-        pass
-
     def backlog(self, dst):
         self.unflushed = set()
         return 0
-
-    def pause(self, src):
-        pass
-
-    def resume(self, src):
-        pass
-
-    def close(self, gone=()):
-        pass
 
 
 

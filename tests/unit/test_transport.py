@@ -10,7 +10,7 @@ import pytest
 
 from ctrlcomm import _wire as w
 from ctrlcomm._core import Core
-from ctrlcomm._endpoint import IoLock
+from ctrlcomm.testing._standin import StandInEndpoint
 from ctrlcomm.transport._tcp import TcpEndpoint
 
 
@@ -67,25 +67,14 @@ def test_sends_queued_behind_a_full_socket_keep_their_order_and_go_straight_agai
             peer.close()
 
 
-class Capture:
+class Capture(StandInEndpoint):
     """An endpoint that keeps what is sent (the core's framing, without sockets)."""
 
-    io = IoLock()  # (the sockets' lock: see ctrlcomm._endpoint.IoLock)
-    STREAM = True
-    EXPRESS = False
-    closed = False
-    unflushed: frozenset[int] = frozenset()
-
     def __init__(self) -> None:
+        super().__init__()
         self.framed: list[tuple[list[int], bytes]] = []
         self.many: list[tuple[list[int], list[bytes]]] = []
         self.signed: list[tuple[int, list[bytes]]] = []
-
-    def attach(self, sink, on_lost, key, me):
-        pass
-
-    def set_hello(self, hello):
-        pass
 
     def send_framed(self, dsts, data):
         self.framed += [([d], bytes(one)) for d, one in zip(dsts, data, strict=True)]
@@ -257,6 +246,11 @@ def test_each_transport_is_an_endpoint_with_the_capabilities_it_says():
             assert isinstance(ep, ExpressEndpoint) == ep.EXPRESS == (kind == "tcp")
         finally:
             ep.close()
+    # (and the in-memory stand-in of the core's own tests, which is no express endpoint)
+    from ctrlcomm.testing._standin import StandInEndpoint
+
+    standin = StandInEndpoint()
+    assert isinstance(standin, StreamEndpoint) and not isinstance(standin, ExpressEndpoint)
     hb = Heartbeat("127.0.0.1", 0, 0, None, 1.0)
     try:
         assert isinstance(hb, Liveness)

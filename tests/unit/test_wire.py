@@ -516,6 +516,32 @@ def test_an_abort_of_earlier_releases_reads_the_same():
     assert w.decode_abort(b"watchdog") == w.AbortReason(w.ABORT_OWN, "watchdog")
 
 
+@given(st.one_of(
+    st.builds(w.Status, st.sampled_from([w.STATUS_IN_CALL, w.STATUS_RETURNED]),
+              st.integers(0, 2**63 - 1), st.integers(0, 255), st.integers(-1, 2**31 - 1),
+              st.text(max_size=60)),
+    st.builds(w.Status, st.just(0), st.just(0), st.just(0), st.just(w.NO_ROOT),
+              st.text(max_size=60))),
+    st.integers(0, 1000), st.integers(0, 2**63 - 1))
+def test_a_status_reads_back_as_it_was_said_through_the_whole_message(st_, src, gid):
+    """A STATUS_REP as it travels: its numbers in the header, its words the payload, MACed
+    (the wire's encode and decode) and read back as the same status."""
+    m = w.Message(w.STATUS_REP, src, gid, st_.seq, st_.where, st_.op, st_.root, w.RAW,
+                  st_.encode())
+    got = w.decode(w.encode(m, key=b"k" * 32, dst=3), b"k" * 32, 3)
+    assert w.decode_status(got) == st_
+
+
+@given(st.integers(-2**31, 2**31 - 1), st.integers(0, 2**63 - 1), st.binary(max_size=80))
+def test_any_status_reply_reads_as_some_status(where, seq, payload):
+    m = w.Message(w.STATUS_REP, 1, 1, seq, where, 3, 0, w.RAW, payload)
+    got = w.decode_status(m)
+    assert got.where in (0, w.STATUS_IN_CALL, w.STATUS_RETURNED)
+    assert got.text == w.said(payload) == payload.decode(errors="replace")
+    if not got.where:
+        assert (got.seq, got.op, got.root) == (0, 0, w.NO_ROOT)
+
+
 _FIELD = st.from_regex(r"\A[a-z]{1,6}:[!-~]{0,12}\Z")
 
 

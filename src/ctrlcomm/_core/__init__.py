@@ -9,6 +9,11 @@ blocking driver (``_drivers.run_sync``) answers each yield by sleeping in the ke
 asyncio driver (``_aio.run_async``) by awaiting the socket's descriptor through the event
 loop. Nothing else differs between the two.
 
+Reading: one path. A call waits, then drains the endpoint (every ready socket) into the
+mailbox; the messages its step waits for (``Core.step``, an ``_endpoint.Expected``) an express
+endpoint takes the short way in that drain, where a read begins with one (a header compared,
+not decoded), and the mailbox is never involved.
+
 Matching: collective messages are keyed by (seq, round, src) and kept until the plan asks for
 them; messages of a later seq (a peer that is ahead) wait in the mailbox. Point-to-point
 messages queue per (src, tag), in arrival order, which is send order per pair of ranks.
@@ -30,7 +35,7 @@ before a seq number is taken, so they leave the group open too.
 
 The parts, one responsibility each, bottom to top (each calls only those below it):
 ``_state`` (what they share), ``_sending``, ``_session``, ``_mismatch``, ``_liveness``,
-``_express``, ``_mailbox``, and ``_core`` (:class:`Core`: a call's steps, start to end).
+``_mailbox``, and ``_core`` (:class:`Core`: a call's steps, start to end).
 """
 
 from ._common import DRIVER_CODES as DRIVER_CODES

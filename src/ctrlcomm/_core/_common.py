@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from .. import _plans
 from .. import _wire as w
+from .._endpoint import Expected
 from .._errors import (
     CodecError,
 )
@@ -163,20 +164,8 @@ class Said(NamedTuple):
     text: str
 
 
-class _XStep(NamedTuple):
-    """The step the short way reads (Core._express): the senders not read yet, the payloads
-    read, and what the messages must be."""
-
-    left: dict[int, None]
-    raw: dict[int, bytearray]
-    kind: int
-    seq: int
-    rnd: int
-    op: int
-    root: int
-
-
-_NO_STEP = _XStep({}, {}, _COLL, -1, 0, 0, 0)
+# What no step waits for (between steps and calls): nothing is ever added to it
+NO_STEP = Expected({}, {}, -1, _COLL, -1, 0, 0, 0)
 # A named tuple made without its Python-level __new__: the core makes a few per call, and
 # that __new__ would cost more than the rest of making them
 _new = tuple.__new__

@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any
 
 from .. import _plans
 from .. import _wire as w
 from .._endpoint import (
     Endpoint,
+    Expected,
     Liveness,
 )
 from .._errors import (
@@ -26,12 +26,14 @@ from .._errors import (
 )
 from .._lifecycle import BROKEN, OPEN
 from ._common import (
+    _COLL,
     _FAIL_IN_PLACE,
     _NONE_LOST,
     _PICKLE,
     BYE_TEXT,
     FIRST_PROBE,
     MAX_PAYLOAD,
+    NO_STEP,
     PROBE_GRACE,
     RECENT,
     Active,
@@ -70,12 +72,14 @@ class Core(_Mailbox):
         """Run a call's plan to completion (a generator that yields seconds to wait).
 
         Each step's sends go out at once; then its receives: what is in the mailbox already,
-        else waits, each followed by a read of every ready socket. (No non-blocking read
-        before the first wait: the driver's wait returns at once when a socket is ready, and
-        a rank that waits for a reply, as every non-root rank of a star does, would find
-        nothing.) This loop runs for every call: it is kept flat, the usual path in line
-        and the unusual in methods (each call of a method here cost 1-2% of a small call),
-        which is why it is the one function of the tree over the complexity bound.
+        else waits, each followed by a read of every ready socket (the endpoint's drain,
+        which may take the step's messages the short way: :class:`Expected`). (No
+        non-blocking read before the first wait: the driver's wait returns at once when a
+        socket is ready, and a rank that waits for a reply, as every non-root rank of a star
+        does, would find nothing.) This loop runs for every call: it is kept flat, the usual
+        path in line and the unusual in methods (each call of a method here cost 1-2% of a
+        small call), which is why it is the one function of the tree over the complexity
+        bound.
         """
         name, opcode, root = call.name, call.opcode, call.root
         if self.state != OPEN or not self._lock.acquire(False):  # False: do not block
@@ -98,6 +102,8 @@ class Core(_Mailbox):
             probe_at = start + FIRST_PROBE
         box = self.box
         ep = self.ep
+        xr = self._xr
+        gid = self.group_id
         try:
             if box.get(seq):  # messages of this call came before it began
                 self._check_early(seq, opcode, root)
@@ -127,30 +133,21 @@ class Core(_Mailbox):
                 # per step: its missing ranks are asked, its sockets read to the end at a loss
                 self._probed = self._looked = False
                 self._settle_until = 0.0
-                if self._xp and not box.get(seq) and not self.paused:
-                    # the usual step: each message read straight from its sender's socket
-                    # (what is left, or anything unusual, the general way below)
-                    recvs = yield from self._express(recvs, reply, seq, rnd, opcode, root,
-                                                     probe_at, name)
-                    if not recvs:
-                        continue
-                    # what made it stop, seen now (as after a wait below): a close or
-                    # abort asked for, an error met in a reader callback, events to read
-                    self.pump()
-                want = set(zip(repeat(rnd), recvs, strict=False))  # the mailbox keys this step waits for
+                slot = box.get(seq)
+                left = dict.fromkeys(recvs) if slot is None \
+                    else {s: None for s in recvs if (rnd, s) not in slot}
+                raw: dict[int, bytearray] = {}
+                x = self.step = _new(Expected, (left, raw, gid, _COLL, seq, rnd, opcode, root))
+                if xr is not None:
+                    xr.expect = x
                 while True:
                     if self.mismatch is not None:
                         raise self.mismatch
-                    slot = box.get(seq)
-                    if slot is not None:
-                        if slot.keys() >= want:
-                            # all in: this step completed, even if the group broke meanwhile
-                            # (an abort of a later call, read with its last message: the
-                            # next step that must wait, or the next call, raises)
-                            break
-                        missing = [s for s in recvs if (rnd, s) not in slot]
-                    else:
-                        missing = list(recvs)
+                    if not left:
+                        # all in: this step completed, even if the group broke meanwhile
+                        # (an abort of a later call, read with its last message: the next
+                        # step that must wait, or the next call, raises)
+                        break
                     if self.state == BROKEN:
                         raise self._cause_in(f"{name} #{seq}")
                     now = _monotonic()
@@ -158,17 +155,30 @@ class Core(_Mailbox):
                             and not self.suspects and not self.paused:
                         # what _wait answers in the usual case, without its call: nobody
                         # lost or suspect, no deadline or probe due yet
-                        self.waiting_for = missing
+                        self.waiting_for = list(left)
                         yield min(probe_at, self._live_until) - now
                     else:
-                        yield self._wait(missing, deadline, t, name, seq, start)
+                        yield self._wait(list(left), deadline, t, name, seq, start)
                     if self._deferred or ep.closed:
                         self.pump()  # does what close() or abort() asked; raises if closed
                     ep.drain(self._sink)
+                self.step = NO_STEP
+                if xr is not None:
+                    xr.expect = None
+                    self.received += len(raw)
                 held = self.held
                 unpickle = self._unpickle
                 for s in recvs:
-                    m = slot.pop((rnd, s))
+                    data = raw.get(s)
+                    if data is not None:  # taken the short way: pickled, no buffers
+                        try:
+                            reply[s] = _ploads(data)
+                        except Exception as e:  # unpickling runs code: anything can come out
+                            m = _new(w.Message, (_COLL, s, gid, seq, rnd, opcode, root,
+                                                 _PICKLE, data, ()))
+                            raise _undecodable(m, name, seq, e) from e
+                        continue
+                    m = box[seq].pop((rnd, s))
                     held[s] -= 1
                     try:  # self._decode, without two calls for the usual codec
                         reply[s] = _ploads(m.payload, buffers=m.buffers) \
@@ -181,6 +191,10 @@ class Core(_Mailbox):
             self.last = (name, seq)
             return result
         except GeneratorExit:
+            if xr is not None:
+                # an error an awaited wait's reader callback met, not raised: this call's
+                # (it is cancelled: the group breaks, below), not left for the next one
+                xr.take_error()
             self._failed_seq = seq
             why = f"{name} #{seq} on group {self.name!r} was cancelled on rank {self.rank}"
             if self.state == OPEN:  # the others may be waiting for its part: they are told
@@ -192,10 +206,15 @@ class Core(_Mailbox):
             raise
         finally:
             self._send_failed = None
-            left = box.pop(seq, None)
-            if left:  # duplicates, or the rest of a failed call
-                self.dropped["stale"] += len(left)
-                self._release([src for _, src in left])
+            if self.step is not NO_STEP:  # (a step that did not complete)
+                self.received += len(self.step.raw)
+                self.step = NO_STEP
+                if xr is not None:
+                    xr.expect = None
+            rest = box.pop(seq, None)
+            if rest:  # duplicates, or the rest of a failed call
+                self.dropped["stale"] += len(rest)
+                self._release([src for _, src in rest])
             self.active = None
             self._cur_seq = -1
             self.mismatch = None
@@ -298,48 +317,84 @@ class Core(_Mailbox):
         self.enter(what or "recv")
         t = self.timeout if timeout is None else float(timeout)
         name = what or f"recv(src={src}, tag={tag})"
-        start = _monotonic()
-        deadline = start + t
+        deadline = _monotonic() + t
         self._probed = self._looked = False
         self._settle_until = 0.0
         self.active = Active(name, -1, 0, w.NO_ROOT)
+        p2p, key = self.p2p, (src, tag)
+        x = NO_STEP
         try:
-            if self._xp and not self.p2p.get((src, tag)) and not self.paused:
-                # the usual: the message read straight from its sender's socket when it
-                # comes, if it is the next one that sender numbered for this rank, with this
-                # tag (anything else, or anything unusual, the general way below)
-                probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in collective
-                if start + FIRST_PROBE < probe_at:
-                    probe_at = start + FIRST_PROBE
-                n = self.p2p_in.get(src, 1)
-                reply: dict[int, Any] = {}
-                left = yield from self._express((src,), reply, n, tag, 0, w.NO_ROOT, probe_at,
-                                                name, w.P2P)
-                if not left:  # (_express counted it in p2p_in)
-                    return reply[src]
             while True:
-                q = self.p2p.get((src, tag))
-                if not q:
-                    # (what made the short way stop, if it ran, seen now.) Not when the
-                    # message is here already: a flood of them would be read on, a chunk
-                    # per call, however many wait here
-                    self.pump()
-                    q = self.p2p.get((src, tag))
+                if x.raw:  # taken the short way (what the mailbox held came later)
+                    return self._took(x, src, name)
+                q = p2p.get(key)
                 if q:
                     m = q.popleft()
                     if not q:
-                        del self.p2p[(src, tag)]
+                        del p2p[key]
                     return self._decode(m, name)
                 if self.state == BROKEN:  # (as a collective's wait raises it)
                     c = self.cause
                     if isinstance(c, GroupBrokenError):
                         raise self._cause_in(name)
                     raise GroupBrokenError(str(c)) from c
+                if not x.left:  # (the number it waited for came with another tag)
+                    x = self._expect(src, tag)
                 yield self._wait([src], deadline, t, name, None)
+                self.pump()
+        except GeneratorExit:
+            e = self._xr.take_error() if self._xr is not None else None
+            if e is not None and self.state == OPEN:
+                # an awaited wait's reader callback failed, and the call was cancelled
+                # before it resumed to raise it: not left for a later call to raise as its
+                # own. The recv leaves the group as it was, but what the failed read took
+                # may be lost: the group breaks, and the others are told.
+                self._tell_peers(w.ABORT, f"{name} on group {self.name!r} failed on rank "
+                                          f"{self.rank} as it was cancelled: "
+                                          f"{type(e).__name__}: {e}"[:BYE_TEXT])
+                self.brk(e)
+            raise
         finally:
+            self.step = NO_STEP
+            if self._xr is not None:
+                self._xr.expect = None
+            if x.raw:
+                # taken the short way as the recv ended without it (cancelled, closed...):
+                # the next recv's, first in line, as the mailbox keeps it
+                self._count_p2p(src, x.seq)
+                p2p.setdefault(key, deque()).appendleft(_new(w.Message, (
+                    w.P2P, src, self.group_id, x.seq, tag, 0, w.NO_ROOT, _PICKLE,
+                    x.raw.pop(src), ())))
             self.active = None
             self.waiting_for = []
             self.leave()
+
+    def _expect(self, src: int, tag: int) -> Expected:
+        """(recv) What it waits for, as an express endpoint's drain may take it the short
+        way: the next message ``src`` numbers for this rank, if it has ``tag``."""
+        x = self.step = _new(Expected, ({src: None}, {}, self.group_id, w.P2P,
+                                        self.p2p_in.get(src, 1), tag, 0, w.NO_ROOT))
+        if self._xr is not None:
+            self._xr.expect = x
+        return x
+
+    def _took(self, x: Expected, src: int, name: str) -> Any:
+        """(recv) The message ``x`` expected of ``src``, taken the short way: counted as the
+        mailbox counts one, and decoded."""
+        data = x.raw.pop(src)
+        self._count_p2p(src, x.seq)
+        try:
+            return _ploads(data)
+        except Exception as e:  # unpickling runs code: anything can come out
+            raise _undecodable(w.Message(w.P2P, src, self.group_id, x.seq, x.round, 0,
+                                         w.NO_ROOT), name, None, e) from e
+
+    def _count_p2p(self, src: int, seq: int) -> None:
+        """Message ``seq`` of ``src`` was taken the short way: the mailbox counts it (its
+        sender's next number, not lowered: what came behind it may have been counted)."""
+        self.received += 1
+        if self.p2p_in.get(src, 1) <= seq:
+            self.p2p_in[src] = seq + 1
 
     def send_self(self, obj: Any, tag: int, what: str) -> None:
         """A send to this rank itself (as MPI allows): ``obj`` encoded, for :meth:`recv_self`;

@@ -110,14 +110,15 @@ class _Liveness(_Mismatch):
         it is in, or else the last one it returned from (so that a rank that waits for it in
         another call at that seq can tell a mismatch from a late rank)."""
         a = self.active
-        seq, flag, op, root = 0, 0, 0, w.NO_ROOT
+        st = w.Status(0, 0, 0, w.NO_ROOT, self.describe_state())
         if a is not None and a.seq >= 0:
-            seq, flag, op, root = a.seq, w.STATUS_IN_CALL, a.op, a.root
+            st = st._replace(where=w.STATUS_IN_CALL, seq=a.seq, op=a.op, root=a.root)
         elif self.last[1] is not None:  # (idle ranks do not answer: this one is in a recv)
             past = self._recent[self.last[1] % RECENT]
             if past.seq == self.last[1]:
-                seq, flag, op, root = past.seq, w.STATUS_RETURNED, past.op, past.root
-        self._send_raw(dst, w.STATUS_REP, self.describe_state().encode(), seq, flag, op, root)
+                st = st._replace(where=w.STATUS_RETURNED, seq=past.seq, op=past.op,
+                                 root=past.root)
+        self._send_raw(dst, w.STATUS_REP, st.encode(), st.seq, st.where, st.op, st.root)
 
     def describe_state(self) -> str:
         a = self.active
@@ -177,10 +178,10 @@ class _Liveness(_Mismatch):
         sent is finite; a live one may flood on). Then PeerLostError."""
         until = self._settle_until
         if until == 0.0 or now < min(deadline, until):
-            n = self.received
-            self.settle()
-            self._settle_until = (until or now + SETTLE_S) if self.received != n \
-                else -math.inf
+            n = self.received + len(self.step.raw)  # (what the short way took: counted
+            self.settle()  # as its step ends)
+            self._settle_until = (until or now + SETTLE_S) \
+                if self.received + len(self.step.raw) != n else -math.inf
             return 0.0
         what = f"{name} #{seq}" if seq is not None else name
         raise PeerLostError(
@@ -255,13 +256,14 @@ class _Liveness(_Mismatch):
 
     def _take_status(self, m: w.Message) -> None:
         """(_accept) A peer's answer to this rank's status question."""
-        _, src, _, seq, _, op, root, _, _, _ = m
-        self.status[m.src] = Said(self.seq, bytes(m.payload).decode(errors="replace"))
-        if m.round == w.STATUS_IN_CALL:
-            self.status_in_call[m.src] = seq
+        src = m.src
+        where, seq, op, root, text = w.decode_status(m)
+        self.status[src] = Said(self.seq, text)
+        if where == w.STATUS_IN_CALL:
+            self.status_in_call[src] = seq
         else:
-            self.status_in_call.pop(m.src, None)
-        if m.round in (w.STATUS_IN_CALL, w.STATUS_RETURNED):
+            self.status_in_call.pop(src, None)
+        if where:
             self.status_call[m.src] = Past(seq, op, root)
             a = self.active
             # a rank this call waits for is in (or returned from) another call at this

@@ -26,10 +26,10 @@ from ._common import (
     _undecodable,
     describe,
 )
-from ._express import _Express
+from ._liveness import _Liveness
 
 
-class _Mailbox(_Express):
+class _Mailbox(_Liveness):
     """The mailbox: every message that arrives is taken here (matched by call, round and sender,
     or queued per source and tag), and flow control: a peer far ahead is not read until this
     rank catches up; a sender waits out a peer's backlog."""
@@ -74,8 +74,11 @@ class _Mailbox(_Express):
             # it came first, being of an earlier seq) until it has caught up
             self.paused.add(src)
             self.ep.pause(src)
-        if seq == self._cur_seq and (op, root) != self._cur_call:
-            self._set_mismatch(m)
+        if seq == self._cur_seq:
+            if (op, root) != self._cur_call:
+                self._set_mismatch(m)
+            elif rnd == self.step.round:
+                self.step.left.pop(src, None)  # (the step waits for it no more)
         return src
 
     def _take_other(self, m: w.Message) -> int | None:
@@ -84,17 +87,26 @@ class _Mailbox(_Express):
         if kind == w.P2P:
             # each sender numbers its point-to-point messages to this rank 1, 2, 3...: an
             # old number is a replay (it would pass the MAC: the frame is genuine)
-            if seq < self.p2p_in.get(src, 1):
+            x = self.step
+            expected = x.kind == w.P2P  # (a recv's step: its sender's the one in it)
+            nxt = self.p2p_in.get(src, 1)
+            if expected and src in x.raw and x.seq >= nxt:
+                nxt = x.seq + 1  # (taken the short way: counted as the recv returns it)
+            if seq < nxt:
                 self.dropped["replayed"] += 1
                 return None
             self.p2p_in[src] = seq + 1
             self.p2p.setdefault((src, rnd), deque()).append(m)
+            if expected and seq >= x.seq:
+                # the number the recv waits for came, or passed with another tag: not to
+                # be taken the short way now (a replay of it would be)
+                x.left.pop(src, None)
         elif kind == w.STATUS_REQ:
             self._answer_status(src)
         elif kind == w.STATUS_REP:
             self._take_status(m)
         elif kind == w.BYE:
-            why = bytes(m.payload).decode(errors="replace")  # (why it was broken, if it was)
+            why = w.said(m.payload)  # (why its group was broken, if it was)
             self._known_gone(src, f"closed the group (broken there: {why})" if why
                              else "closed the group")
             self.aborters.discard(src)

@@ -1,6 +1,6 @@
 """The state every part of the core shares, made once (each part's class below says what of it
 is its own): the chain _CoreState <- _Sending <- _Session <- _Mismatch <- _Liveness <-
-_Express <- _Mailbox <- Core, each part calling only those below it."""
+_Mailbox <- Core, each part calling only those below it."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .._errors import (
 )
 from .._lifecycle import OPEN
 from ._common import (
-    _NO_STEP,
+    NO_STEP,
     RECENT,
     Active,
     Past,
@@ -100,12 +100,10 @@ class _CoreState:
         self.mismatch: CtrlcommError | None = None
         # this rank's object the current collective could not send (sent in its place)
         self._send_failed: _ops.Failed | None = None
-        # the step _express waits for: (senders not read yet, payloads read by sender, kind,
-        # seq, round, opcode, root); an error its reads met in an awaited wait's callback;
-        # whether that callback handed anything to the sink (the general way takes over)
-        self._xstep = _NO_STEP
-        self._xerror: BaseException | None = None
-        self._xfell = False
+        # the messages the step in progress waits for (Core.collective, Core.recv): the
+        # mailbox takes a sender out of it as its message comes, the endpoint's drain too
+        # where it takes one the short way (an ExpressEndpoint's ``expect``)
+        self.step = NO_STEP
         self._in_place = False  # whether the current collective can send a failure so
         self.last: tuple[str, int | None] = ("nothing yet", None)
         self._lock = threading.Lock()
@@ -154,7 +152,6 @@ class _CoreState:
         self._stream = self._xs is not None
         # ... and, pickled, the usual small object is framed in line (Core._post)
         self._fast = self._stream and codec == w.PICKLE
-        # ... and read from its sender's socket in line (Core._express)
+        # ... and read the short way where a read begins with it (ExpressEndpoint)
         self._xr = cast(ExpressEndpoint, endpoint) if self._fast and endpoint.EXPRESS else None
-        self._xp = self._xr is not None
         self._sink: Callable[[w.Message | None], int | None]  # (the mailbox's: Core)

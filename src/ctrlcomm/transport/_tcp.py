@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .. import _wire as w
-from .._endpoint import COPY_THRESHOLD, FAIR_S, IoLock, turn_due
+from .._endpoint import COPY_THRESHOLD, FAIR_S, Expected, IoLock, turn_due
 from .._errors import StoreError, WireError
 from ._base import SETTLE_ROUNDS, _Bell, _let_go, _take_back, _unheld
 from ._net import (
@@ -53,10 +53,12 @@ class _Conn:
         self.rsize = READ_CHUNK  # bytes a read asks for (FLOOD_READ in a flood of small ones)
 
 
-# the usual message's start, as TcpEndpoint.read_expected compares it
-_USUAL, _HEADER = w.usual_expected, w.usual_header  # (read_expected's, looked up once)
+# the usual message's start, as a read compares it with what a step expects (TcpEndpoint._read)
+_USUAL, _HEADER = w.usual_expected, w.usual_header  # (looked up once)
 _EXPRESS_SIZE, _MAC_SIZE = w.EXPRESS_SIZE, w.MAC_SIZE
-_EPOLLIN = select.EPOLLIN
+# What TcpEndpoint._io returns where a socket would block, and where it failed (the
+# connection is lost then)
+_AGAIN, _FAILED = -1, -2
 READ_CHUNK = 256 * 1024
 # A connection whose read held many messages of less than 4 KiB on average is read FLOOD_READ
 # bytes at a time, until a full read holds larger ones again: a whole chunk of tiny
@@ -90,7 +92,7 @@ class TcpEndpoint:
 
 
     STREAM = True  # a StreamEndpoint: takes messages in the stream framing (send_framed)
-    EXPRESS = True  # an ExpressEndpoint: reads expected messages in line (read_expected)
+    EXPRESS = True  # an ExpressEndpoint: its drain takes expected messages the short way
     kind = "tcp"
 
     def __init__(self, bind_host: str, *, on_lost: Callable[[int, str, bool], None] | None = None,
@@ -134,9 +136,9 @@ class TcpEndpoint:
         self.peers: dict[int, str] = {}
         self.conns: dict[int, _Conn] = {}  # by fd
         self.out: dict[int, _Conn] = {}  # by rank
-        # the sockets of self.out that are connected, with nothing queued: a message to one
+        # the connections of self.out that are made, with nothing queued: a message to one
         # of these ranks is sent straight away (send_framed)
-        self.direct: dict[int, socket.socket] = {}
+        self.direct: dict[int, _Conn] = {}
         self.on_lost = on_lost
         self.max_inbound = max_inbound  # inbound connections not identified yet, at most
         self.inbound = 0
@@ -152,6 +154,8 @@ class TcpEndpoint:
         # one receive buffer, reused: recv(n) would allocate (and for large n, mmap) n bytes
         self._rbuf = bytearray(READ_CHUNK)
         self._rview = memoryview(self._rbuf)
+        self._one = bytearray(1)  # (what an outbound connection's read takes: see _outbound)
+        self._t0 = 0.0  # when a drain's first full chunk was read (a flood: see _read)
         self.unflushed: set[_Conn] = set()  # connections with queued data (or connecting)
         self._ready: list[tuple[int, int]] | None = None  # events seen by wait()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching self.fd
@@ -160,9 +164,9 @@ class TcpEndpoint:
         # timer per wait costs a heap push and a cancelled entry in the loop's heap each
         self._timer: asyncio.TimerHandle | None = None
         self._error: Exception | None = None  # raised by the next drain (see _on_readable)
-        # what an awaited wait's reader callback hands the ready sockets to first, while
-        # the call reads the short way (Core._express): whether to wake the call
-        self.xtake: Callable[[list[tuple[int, int]]], bool] | None = None
+        # the messages the call's step waits for, which a drain takes the short way (set by
+        # the core while the step waits: see _read)
+        self.expect: Expected | None = None
         self.turn = 0.0  # when an awaited wait last went through the event loop
         self.ended = 0.0  # when the last awaited call on this endpoint ended (run_async)
         self.yielding = 0  # awaited calls giving the loop a turn before they start (run_async)
@@ -245,18 +249,28 @@ class TcpEndpoint:
             self._lose(c, f"cannot connect to {self.peers[dst]}: {os.strerror(err)}")
         else:
             self._register(c, select.EPOLLIN)  # readable only at EOF: the peer is gone
-            try:
-                n = s.send(hello) if hello else 0
-            except BlockingIOError:
-                n = 0
-            except OSError as e:
-                self._lose(c, f"send failed: {e.strerror or e}")
+            n = self._io(c, "send", s.send, hello) if hello else 0
+            if n == _FAILED:
                 return c
             if n < len(hello):
-                self._queue(c, [hello], n)
+                self._queue(c, [hello], max(n, 0))
             else:
-                self.direct[dst] = s
+                self.direct[dst] = c
         return c
+
+    def _io(self, c: _Conn, what: str, call: Callable[..., int], *args: Any) -> int:
+        """``call(*args)``, a send or a receive on ``c``'s socket: the bytes it moved, or
+        _AGAIN where it would block. The endpoint's one boundary between its connections and
+        the OS's errors: where the call fails, ``c`` is lost (:meth:`_lose`, saying ``what``
+        failed) and _FAILED comes back. (A receive's 0, the end of the stream, is the
+        caller's to handle.)"""
+        try:
+            return call(*args)
+        except (BlockingIOError, InterruptedError):
+            return _AGAIN
+        except OSError as e:
+            self._lose(c, f"{what} failed: {e.strerror or e}")
+            return _FAILED
 
     def push(self, budget_s: float) -> None:
         """Send what is queued now, waiting up to ``budget_s`` for connections still being
@@ -332,13 +346,13 @@ class TcpEndpoint:
         """Send one message, ``parts`` of ``total`` bytes, to each of ``dsts``: what the
         kernel takes at once, the rest queued. (The loop is here, not around a call per
         destination: a root's fan-out has one per rank.) A connected socket with nothing
-        queued (:attr:`direct`, the usual) is sent on without looking at its connection."""
-        out, direct = self.out, self.direct
+        queued (:attr:`direct`, the usual) is sent on without looking at its state."""
+        out, direct, io = self.out, self.direct, self._io
         one = parts[0] if len(parts) == 1 else None
         kept: list[Any] | None = None  # parts as queued: see _frozen (made once, if needed)
         for dst in dsts:
-            s = direct.get(dst)
-            if s is None:
+            c = direct.get(dst)
+            if c is None:
                 c = out.get(dst)
                 if c is None:
                     c = self._connect(dst)
@@ -348,17 +362,13 @@ class TcpEndpoint:
                     kept = kept or _frozen(parts)
                     self._queue(c, kept, 0)  # (it asks epoll to say when it takes more)
                     continue
-                s = c.sock
-            try:
-                n = s.send(one) if one is not None else s.sendmsg(parts)
-            except BlockingIOError:
-                n = 0
-            except OSError as e:
-                self._lose(out[dst], f"send failed: {e.strerror or e}")
+            n = io(c, "send", c.sock.send, one) if one is not None \
+                else io(c, "send", c.sock.sendmsg, parts)
+            if n == _FAILED:
                 continue
             if n < total:
                 kept = kept or _frozen(parts)
-                self._queue(out[dst], kept, n)
+                self._queue(c, kept, max(n, 0))
 
     def _queue(self, c: _Conn, parts: list[Any], skip: int) -> None:
         """Queue ``parts`` (:func:`_frozen`: nothing in them can change) but their first
@@ -383,12 +393,8 @@ class TcpEndpoint:
     def _flush(self, c: _Conn) -> None:
         while c.pending:
             batch = [c.pending[i] for i in range(min(len(c.pending), 512))]
-            try:
-                n = c.sock.sendmsg(batch)
-            except BlockingIOError:
-                return
-            except OSError as e:
-                self._lose(c, f"send failed: {e.strerror or e}")
+            n = self._io(c, "send", c.sock.sendmsg, batch)
+            if n < 0:  # (it would block: the rest later; or it failed: lost)
                 return
             c.backlog -= n
             while n and c.pending:
@@ -403,7 +409,7 @@ class TcpEndpoint:
         self.unflushed.discard(c)
         self._register(c, select.EPOLLIN)
         if not c.connecting and c.rank is not None:
-            self.direct[c.rank] = c.sock
+            self.direct[c.rank] = c
 
     def backlog(self, dst: int) -> int:
         """Bytes queued for ``dst`` that the kernel has not taken yet."""
@@ -447,7 +453,7 @@ class TcpEndpoint:
 
     def _drop_conn(self, c: _Conn) -> None:
         self.conns.pop(c.fd, None)
-        if not c.inbound and self.direct.get(c.rank) is c.sock:  # type: ignore[arg-type]
+        if not c.inbound and self.direct.get(c.rank) is c:  # type: ignore[arg-type]
             del self.direct[c.rank]  # type: ignore[arg-type]
         self.unflushed.discard(c)
         if c.events != -1:
@@ -498,29 +504,12 @@ class TcpEndpoint:
         messages of any size, and the caller reads on)."""
         dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
         want = self.hello_len - dec.pending()
-        try:
-            got = c.sock.recv_into(self._rbuf, want if want > 0 else 4096)
-        except (BlockingIOError, InterruptedError):
+        got = self._io(c, "connection", c.sock.recv_into, self._rbuf, want if want > 0 else 4096)
+        if got <= 0:
+            if got == 0:
+                self._lose(c, "connection closed")
             return False
-        except OSError as e:
-            self._lose(c, f"connection failed: {e.strerror or e}")
-            return False
-        if not got:
-            self._lose(c, "connection closed")
-            return False
-        try:
-            msgs = dec.messages(self._rbuf, got, self.key, self.me)
-        except WireError:
-            self._count("malformed_stream")
-            self._drop_conn(c)
-            return False
-        if not self._identify(c, msgs, sink):
-            return False
-        if dec.error is not None:
-            self._count("malformed_stream")
-            self._drop_conn(c)
-            return False
-        if c.rank is None:
+        if self._take(c, self._rbuf, got, sink) < 0 or c.rank is None:
             return False
         dec.max_message = w.MAX_MESSAGE
         return True
@@ -550,24 +539,30 @@ class TcpEndpoint:
                  sink: Callable[[w.Message | None], int | None]) -> None:
         """Hand ``msgs``, read on the connection of peer ``rank``, to ``sink``; one whose
         header names another sender is dropped (counted): a peer sends as itself only, as
-        the short way (read_expected) checks too."""
+        a read taken the short way (_expected) is by its header."""
         for m in msgs:
             if m is not None and m.src != rank:
                 self._count("wrong_sender")
                 continue
             sink(m)
 
-    def drain(self, sink: Callable[[w.Message | None], int | None]) -> None:
+    def drain(self, sink: Callable[[w.Message | None], int | None]) -> bool:
         """Handle every ready socket now; hand each whole message to ``sink``, decoded
-        (``None`` for a malformed or unauthenticated one)."""
+        (``None`` for a malformed or unauthenticated one), but the ones :attr:`expect` names,
+        which a read that begins with one takes the short way (:meth:`_read`). Whether
+        anything else was read or happened (a message for the sink, a connection accepted or
+        lost, a wake-up)."""
         if self._error is not None:  # met by an awaited wait's reader callback
             e, self._error = self._error, None
             raise e
         lfds = self._lfds
         ready, self._ready = self._ready, None
-        t0 = 0.0  # (when a flood's first full chunk was read)
+        x = self.expect
+        self._t0 = 0.0
+        other = False
         for fd, ev in ready if ready is not None else self.ep.poll(0):
             if fd in lfds:
+                other = True
                 if fd == lfds[2]:
                     self.bell.clear()  # a wake-up (see wake): nothing to read
                 else:
@@ -576,51 +571,59 @@ class TcpEndpoint:
             c = self.conns.get(fd)
             if c is None:
                 continue
+            if c.rank is not None and c.inbound:
+                if self._read(c, sink, x):
+                    other = True
+                continue
+            other = True
             if not c.inbound:
                 self._outbound(c, fd, ev)
-            elif c.rank is not None or self._first(c, sink):  # (else: not identified yet,
-                t0 = self._read(c, sink, t0)  # or dropped)
+            elif self._first(c, sink):  # (else: not identified yet, or dropped)
+                self._read(c, sink, x)
+        return other
 
-    def _read(self, c: _Conn, sink: Callable[[w.Message | None], int | None], t0: float
-              ) -> float:
-        """Read what inbound ``c`` holds, up to READ_BUDGET, into ``sink``; returns when a
-        flood began (``t0``, from the drain's first full chunk on)."""
-        view, buf, key, me = self._rview, self._rbuf, self.key, self.me
+    def _read(self, c: _Conn, sink: Callable[[w.Message | None], int | None],
+              x: Expected | None) -> bool:
+        """Read what inbound ``c`` holds, up to READ_BUDGET, into ``sink``. Where ``x``, the
+        step a call waits for, expects a message of ``c``'s sender, and the read begins with
+        it (the decoder holding nothing of an earlier one), that message is taken the short
+        way (:meth:`_expected`). Whether anything else was read, or ``c`` was lost."""
+        view, buf = self._rview, self._rbuf
+        data: bytes | bytearray
         dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
         recv_into = c.sock.recv_into
         rsize = c.rsize
+        if x is not None and (c.rank not in x.left or dec.buf or dec._lens is not None
+                              or c.paused):
+            x = None
         budget = 0
+        other = False
         while budget < READ_BUDGET:
-            try:
-                got = recv_into(view, rsize)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as e:
-                self._lose(c, f"connection failed: {e.strerror or e}")
-                break
-            if not got:
-                self._lose(c, "connection closed")
-                break
+            got = self._io(c, "connection", recv_into, view, rsize)
+            if got <= 0:
+                if got == 0:
+                    self._lose(c, "connection closed")
+                return other or got != _AGAIN
             budget += got
-            try:
-                msgs = dec.messages(buf, got, key, me)
-            except WireError:
-                self._count("malformed_stream")
-                self._drop_conn(c)
-                break
-            if c.rank is not None:
-                self._deliver(c.rank, msgs, sink)
-            elif not self._identify(c, msgs, sink):
-                break
-            if dec.error is not None:
-                self._count("malformed_stream")
-                self._drop_conn(c)
+            data, size = buf, got  # (what the decoder takes)
+            if x is not None:
+                end = self._expected(x, c.rank, got)  # type: ignore[arg-type]  # (identified)
+                x = None
+                if end == got:
+                    if got < rsize:
+                        return other
+                    continue  # (a full read of exactly that message: more may wait)
+                if end:  # more came behind it (a peer a call ahead, say)
+                    size = got - end
+                    data = bytes(view[end:got])
+            other = True
+            n = self._take(c, data, size, sink)
+            if n < 0:
                 break
             full = got == rsize
             # the next read's size: small after a read of many messages of less than 4 KiB
             # on average, the usual after a full one of larger ones (one threshold both
             # ways: no swing between the two sizes)
-            n = len(msgs)
             if n > 64 and n > got >> 12:
                 rsize = c.rsize = FLOOD_READ
             elif full and n <= got >> 12:
@@ -630,11 +633,46 @@ class TcpEndpoint:
             # a flood (full chunks back to back): after FAIR_S of it the rest waits for the
             # next drain (the socket stays ready: nothing is lost), so an awaited call that
             # reads it gives the event loop its turn
-            if not t0:
-                t0 = time.monotonic()
-            elif time.monotonic() - t0 >= FAIR_S:
+            if not self._t0:
+                self._t0 = time.monotonic()
+            elif time.monotonic() - self._t0 >= FAIR_S:
                 break
-        return t0
+        return other
+
+    def _take(self, c: _Conn, data: bytes | bytearray, size: int,
+              sink: Callable[[w.Message | None], int | None]) -> int:
+        """(_read, _first.) Hand the messages of ``data[:size]``, read from inbound ``c``, to
+        ``sink`` through its decoder; how many were whole, or -1 where ``c`` was dropped
+        (a malformed stream, or a connection that claims a peer's rank: _identify)."""
+        dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
+        try:
+            msgs = dec.messages(data, size, self.key, self.me)
+        except WireError:
+            self._count("malformed_stream")
+            self._drop_conn(c)
+            return -1
+        if c.rank is not None:
+            self._deliver(c.rank, msgs, sink)
+        elif not self._identify(c, msgs, sink):
+            return -1
+        if dec.error is not None:
+            self._count("malformed_stream")
+            self._drop_conn(c)
+            return -1
+        return len(msgs)
+
+    def _expected(self, x: Expected, s: int, got: int) -> int:
+        """(_read.) Whether the ``got`` bytes just read from sender ``s`` begin with the
+        message ``x`` expects of it (pickled, no flags, no buffers): then its payload, copied,
+        goes to ``x.raw[s]`` and ``s`` leaves ``x.left``. Where it ends in the receive
+        buffer; 0 where the read does not begin so (the decoder takes it all then)."""
+        buf = self._rbuf
+        end = _USUAL(buf, got, _HEADER(x.kind, x.op, s, x.group_id, x.seq, x.round, x.root),
+                     self.key, self.me)  # type: ignore[arg-type]  # (set by the core)
+        if end:
+            x.raw[s] = buf[_EXPRESS_SIZE:end - _MAC_SIZE]  # (a copy: buf is read into again)
+            del x.left[s]
+        return end
 
     def _outbound(self, c: _Conn, fd: int, ev: int) -> None:
         """An event on a connection this rank sends on: connected, room to send, or its
@@ -646,97 +684,15 @@ class TcpEndpoint:
             self._flush(c)
         elif not c.pending:
             self.unflushed.discard(c)
-        if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and fd in self.conns:
-            try:
-                data = c.sock.recv(1)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                self._lose(c, f"connection failed: {e.strerror or e}")
-                return
-            if not data:
-                self._lose(c, "connection closed")
+        if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and fd in self.conns \
+                and self._io(c, "connection", c.sock.recv_into, self._one, 1) == 0:
+            self._lose(c, "connection closed")
 
-    def pop_ready(self) -> list[tuple[int, int]] | None:
-        """The events the last wait saw, not read yet (None: none seen; an empty list: an
-        awaited wait's reader callback read them), and forget them."""
-        ready, self._ready = self._ready, None
-        return ready
-
-    @property
-    def failed(self) -> bool:
-        """Whether a reader callback met an error that the next drain raises."""
-        return self._error is not None
-
-    def read_expected(self, ready: list[tuple[int, int]], left: dict[int, None],
-                      raw: dict[int, bytearray], group_id: int, kind: int, seq: int,
-                      rnd: int, op: int, root: int,
-                      sink: Callable[[w.Message | None], int | None]) -> bool:
-        """Read the ``ready`` sockets of the senders in ``left`` the short way
-        (Core._express): where a read begins with the message expected from that sender
-        (``group_id``, ``kind``, ``seq``, ``rnd``, ``op``, ``root``: a collective's, or a
-        point-to-point one's; pickled, no flags, no buffers) its payload, copied, goes to
-        ``raw[sender]`` and the sender leaves ``left``; what comes behind it goes to
-        ``sink``, as drain would hand it. False: all read so. True: it met something else
-        (another descriptor, another message, a decoder holding part of one, the end of a
-        connection), handed that read to ``sink`` or lost the connection, and left the
-        events from there on for drain."""
-        conns = self.conns
-        buf, key, me = self._rbuf, self.key, self.me
-        assert key is not None  # (set by the core: every group has one)
-        for i, (fd, ev) in enumerate(ready):
-            c = conns.get(fd)
-            # (a connection in error is dropped, out of conns, at once: no decoder here
-            # holds an error)
-            if ev != _EPOLLIN or c is None or not c.inbound or c.rank not in left \
-                    or c.paused or c.decoder.buf or c.decoder._lens is not None:  # type: ignore[union-attr]
-                self._ready = ready[i:]  # not what this path reads
-                return True
-            s = c.rank
-            try:
-                got = c.sock.recv_into(buf, c.rsize)
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError as e:
-                self._lose(c, f"connection failed: {e.strerror or e}")
-                self._ready = ready[i + 1:] or None
-                return True
-            end = _USUAL(buf, got, _HEADER(kind, op, s, group_id, seq, rnd, root), key, me)
-            if end:
-                raw[s] = buf[_EXPRESS_SIZE:end - _MAC_SIZE]  # (a copy: buf is read into again)
-                del left[s]
-                if got == end:
-                    continue
-                # more came behind it (a peer a call ahead, say): the general way
-                self._take(c, got, sink, end)
-                self._ready = ready[i + 1:] or None
-                return True
-            if got == 0:
-                self._lose(c, "connection closed")
-            else:
-                self._take(c, got, sink)  # not the message expected
-            self._ready = ready[i + 1:] or None
-            return True
-        return False
-
-    def _take(self, c: _Conn, got: int, sink: Callable[[w.Message | None], int | None],
-              start: int = 0) -> None:
-        """Hand what a read of ``c``, an identified inbound connection, put in the receive
-        buffer (its bytes ``start`` to ``got``) to ``sink``, the way :meth:`drain` does
-        (read_expected read it, expecting another message, or took a message from its
-        start)."""
-        dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
-        try:
-            msgs = dec.messages(self._rbuf, got, self.key, self.me) if not start else \
-                dec.messages(bytes(self._rview[start:got]), got - start, self.key, self.me)
-        except WireError:
-            self._count("malformed_stream")
-            self._drop_conn(c)
-            return
-        self._deliver(c.rank, msgs, sink)  # type: ignore[arg-type]  # (identified)
-        if dec.error is not None:
-            self._count("malformed_stream")
-            self._drop_conn(c)
+    def take_error(self) -> Exception | None:
+        """The error the next drain would raise (met by an awaited wait's reader callback),
+        taken."""
+        e, self._error = self._error, None
+        return e
 
     def wait(self, timeout: float) -> None:
         """Sleep until a socket is ready, :meth:`wake` is called or ``timeout`` seconds pass."""
@@ -829,24 +785,18 @@ class TcpEndpoint:
             ready = self.ep.poll(0)
             if not ready:  # read already (by the woken call): keep waiting
                 return
-            xtake = self.xtake
-            if xtake is not None:
-                # the call reads what it expects (Core._express: read_expected, which
-                # leaves in self._ready what drain must still see)
-                self._ready = None
-                if not xtake(ready):
-                    return  # its step is not complete yet: it sleeps on
+            self._ready = ready
+            try:
+                other = self.drain(self.sink)
+            except Exception as e:  # not expected; the woken call's next drain raises it
+                self._error = e
             else:
-                self._ready = ready
-            if self._ready:
-                try:
-                    self.drain(self.sink)
-                except Exception as e:  # not expected; the woken call's next drain raises it
-                    self._error = e
-                else:
-                    self._ready = []  # read: the woken call need not ask epoll again
-            else:
-                self._ready = []
+                x = self.expect
+                if not other and x is not None and x.left:
+                    # only messages of the step read, the short way, and more to come:
+                    # the call sleeps on (waking it would cost two rounds of the loop)
+                    return
+                self._ready = []  # read: the woken call need not ask epoll again
             if fut.done():  # closed from another thread meanwhile
                 return
         fut.set_result(None)
