@@ -38,7 +38,6 @@ from ._common import (
     RECENT,
     Active,
     Call,
-    Past,
     Wait,
     _check_size,
     _first_pass,
@@ -91,8 +90,7 @@ class Core(_Mailbox):
         seq = self._cur_seq = self.seq
         self.seq = seq + 1
         self._cur_call = (opcode, root)
-        self.active = _new(Active, (name, seq, opcode, root))
-        self._recent[seq % RECENT] = _new(Past, (seq, opcode, root))
+        self.active = self._recent[seq % RECENT] = _new(Active, (name, seq, opcode, root))
         t = self.timeout if timeout is None else timeout
         start = _monotonic()
         deadline = start + t
@@ -133,9 +131,12 @@ class Core(_Mailbox):
                 # per step: its missing ranks are asked, its sockets read to the end at a loss
                 self._probed = self._looked = False
                 self._settle_until = 0.0
+                left = dict.fromkeys(recvs)
                 slot = box.get(seq)
-                left = dict.fromkeys(recvs) if slot is None \
-                    else {s: None for s in recvs if (rnd, s) not in slot}
+                if slot is not None:  # (a loop: a comprehension is a call of its own)
+                    for s in recvs:
+                        if (rnd, s) in slot:
+                            del left[s]
                 raw: dict[int, bytearray] = {}
                 x = self.step = _new(Expected, (left, raw, gid, _COLL, seq, rnd, opcode, root))
                 if xr is not None:

@@ -11,7 +11,6 @@ from .._errors import (
 from .._lifecycle import OPEN
 from ._common import (
     Active,
-    Past,
     describe,
 )
 from ._session import _Session
@@ -53,14 +52,14 @@ class _Mismatch(_Session):
             mismatch=desc, op=name, seq=seq, group=self.name, waiting_for=missing,
             peer_states=states)
 
-    def _late_mismatch(self, m: w.Message, past: Past) -> None:
+    def _late_mismatch(self, m: w.Message, past: Active) -> None:
         """A message of call #seq, which returned here, shows its sender called another
         collective or root there (both returned without waiting for each other: a broadcast
         whose ranks named different roots, say). This rank's result of it may be wrong: the
         group breaks, and the call in progress raises (or the next one)."""
         e = MismatchError(
-            f"{self._mismatch_text(*past, m)} (found after #{past.seq} had returned on rank "
-            f"{self.rank}: its result there may be wrong)")
+            f"{self._mismatch_text(past.seq, past.op, past.root, m)} (found after "
+            f"#{past.seq} had returned on rank {self.rank}: its result there may be wrong)")
         if self.state == OPEN:
             self._notify_mismatch(e)
             self.brk(e)

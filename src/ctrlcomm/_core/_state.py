@@ -126,9 +126,10 @@ class _CoreState:
         # ("abort", reason): the sockets are used by the thread holding the group only, so
         # that thread does it, woken at once (see _defer)
         self._deferred: list[tuple[str, str]] = []
-        # the (seq, opcode, root) of recent calls, by seq % len: a message of a call that
-        # returned here, from a rank that called something else, is a mismatch found late
-        self._recent: list[Past] = [Past(-1, 0, 0)] * RECENT
+        # recent collectives (their Active record: seq, opcode, root), by seq % len: a message
+        # of a call that returned here, from a rank that called something else, is a
+        # mismatch found late
+        self._recent: list[Active] = [Active("", -1, 0, 0)] * RECENT
         self.ctx = _plans.Ctx(rank, size)
         self.hb = heartbeat
         self._pid = os.getpid()  # (close() in a forked child leaves the parent's sockets be)
