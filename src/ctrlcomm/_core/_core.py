@@ -370,33 +370,6 @@ class Core(_Mailbox):
             self.waiting_for = []
             self.leave()
 
-    def _expect(self, src: int, tag: int) -> Expected:
-        """(recv) What it waits for, as an express endpoint's drain may take it the short
-        way: the next message ``src`` numbers for this rank, if it has ``tag``."""
-        x = self.step = _new(Expected, ({src: None}, {}, self.group_id, w.P2P,
-                                        self.p2p_in.get(src, 1), tag, 0, w.NO_ROOT))
-        if self._xr is not None:
-            self._xr.expect = x
-        return x
-
-    def _took(self, x: Expected, src: int, name: str) -> Any:
-        """(recv) The message ``x`` expected of ``src``, taken the short way: counted as the
-        mailbox counts one, and decoded."""
-        data = x.raw.pop(src)
-        self._count_p2p(src, x.seq)
-        try:
-            return _ploads(data)
-        except Exception as e:  # unpickling runs code: anything can come out
-            raise _undecodable(w.Message(w.P2P, src, self.group_id, x.seq, x.round, 0,
-                                         w.NO_ROOT), name, None, e) from e
-
-    def _count_p2p(self, src: int, seq: int) -> None:
-        """Message ``seq`` of ``src`` was taken the short way: the mailbox counts it (its
-        sender's next number, not lowered: what came behind it may have been counted)."""
-        self.received += 1
-        if self.p2p_in.get(src, 1) <= seq:
-            self.p2p_in[src] = seq + 1
-
     def send_self(self, obj: Any, tag: int, what: str) -> None:
         """A send to this rank itself (as MPI allows): ``obj`` encoded, for :meth:`recv_self`;
         ``what`` names the call in errors."""

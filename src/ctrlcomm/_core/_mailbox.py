@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _wire as w
+from .._endpoint import Expected
 from .._errors import (
     MismatchError,
     PeerLostError,
@@ -23,6 +24,8 @@ from ._common import (
     RECENT,
     Said,
     Wait,
+    _new,
+    _ploads,
     _undecodable,
     describe,
 )
@@ -155,6 +158,33 @@ class _Mailbox(_Liveness):
                 # the sender's part of it came before the word, as on the others (an
                 # error that names the call, as when the word came before it waited)
                 self._fail_call(self._naming_call(f"{a.name} #{a.seq}", aborted))
+
+    def _expect(self, src: int, tag: int) -> Expected:
+        """(recv) What it waits for, as an express endpoint's drain may take it the short
+        way: the next message ``src`` numbers for this rank, if it has ``tag``."""
+        x = self.step = _new(Expected, ({src: None}, {}, self.group_id, w.P2P,
+                                        self.p2p_in.get(src, 1), tag, 0, w.NO_ROOT))
+        if self._xr is not None:
+            self._xr.expect = x
+        return x
+
+    def _took(self, x: Expected, src: int, name: str) -> Any:
+        """(recv) The message ``x`` expected of ``src``, taken the short way: counted as the
+        mailbox counts one, and decoded."""
+        data = x.raw.pop(src)
+        self._count_p2p(src, x.seq)
+        try:
+            return _ploads(data)
+        except Exception as e:  # unpickling runs code: anything can come out
+            raise _undecodable(w.Message(w.P2P, src, self.group_id, x.seq, x.round, 0,
+                                         w.NO_ROOT), name, None, e) from e
+
+    def _count_p2p(self, src: int, seq: int) -> None:
+        """Message ``seq`` of ``src`` was taken the short way: the mailbox counts it (its
+        sender's next number, not lowered: what came behind it may have been counted)."""
+        self.received += 1
+        if self.p2p_in.get(src, 1) <= seq:
+            self.p2p_in[src] = seq + 1
 
     def _release(self, srcs: Sequence[int]) -> None:
         """One message of each of ``srcs`` left the mailbox."""
