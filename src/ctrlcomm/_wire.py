@@ -373,11 +373,6 @@ class AddressRecord(NamedTuple):
     def encode(self) -> str:
         return " ".join((self.endpoint, str(self.udp_port), *self.fields))
 
-    def value(self, name: str) -> str:
-        """The value of the first field ``name`` ("" if none)."""
-        mark = name + ":"
-        return next((f[len(mark):] for f in self.fields if f.startswith(mark)), "")
-
     def named(self, *names: str) -> list[str]:
         """The fields of those names, whole ("name:value"), in order."""
         marks = tuple(n + ":" for n in names)

@@ -565,7 +565,8 @@ def test_an_address_record_names_its_fields():
     rec = w.decode_address("tcp://10.0.0.1:5000 6000 unix:x@h proc:k:1:2 ws:4 codec:pickle "
                            "tr:tcp wire:4 join:ab12 later:field")
     assert (rec.endpoint, rec.udp_port) == ("tcp://10.0.0.1:5000", 6000)
-    assert rec.value("proc") == "k:1:2" and rec.value("join") == "ab12" and rec.value("no") == ""
+    assert rec.named("proc") == ["proc:k:1:2"] and rec.named("join") == ["join:ab12"] \
+        and rec.named("no") == []
     assert rec.named("unix", "curve") == ["unix:x@h"]
     assert rec.alike() == {"ws": "4", "codec": "pickle", "tr": "tcp", "wire": "4"}
     for bad in ("", "tcp://h:1", "tcp://h:1 port", "tcp://h:1 70000", "tcp://h:1 5 novalue",

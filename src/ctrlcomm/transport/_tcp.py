@@ -56,9 +56,10 @@ class _Conn:
 # the usual message's start, as a read compares it with what a step expects (TcpEndpoint._read)
 _USUAL, _HEADER = w.usual_expected, w.usual_header  # (looked up once)
 _EXPRESS_SIZE, _MAC_SIZE = w.EXPRESS_SIZE, w.MAC_SIZE
-# What TcpEndpoint._io returns where a socket would block, and where it failed (the
-# connection is lost then)
+# What TcpEndpoint._io returns where a socket would block, and where it failed or its stream
+# ended (the connection is lost then); what it is told a call is, a send or a receive
 _AGAIN, _FAILED = -1, -2
+_SEND, _RECV = "send", "connection"
 READ_CHUNK = 256 * 1024
 # A connection whose read held many messages of less than 4 KiB on average is read FLOOD_READ
 # bytes at a time, until a full read holds larger ones again: a whole chunk of tiny
@@ -249,7 +250,7 @@ class TcpEndpoint:
             self._lose(c, f"cannot connect to {self.peers[dst]}: {os.strerror(err)}")
         else:
             self._register(c, select.EPOLLIN)  # readable only at EOF: the peer is gone
-            n = self._io(c, "send", s.send, hello) if hello else 0
+            n = self._io(c, _SEND, s.send, hello) if hello else 0
             if n == _FAILED:
                 return c
             if n < len(hello):
@@ -259,18 +260,21 @@ class TcpEndpoint:
         return c
 
     def _io(self, c: _Conn, what: str, call: Callable[..., int], *args: Any) -> int:
-        """``call(*args)``, a send or a receive on ``c``'s socket: the bytes it moved, or
-        _AGAIN where it would block. The endpoint's one boundary between its connections and
-        the OS's errors: where the call fails, ``c`` is lost (:meth:`_lose`, saying ``what``
-        failed) and _FAILED comes back. (A receive's 0, the end of the stream, is the
-        caller's to handle.)"""
+        """``call(*args)``, a send or a receive (``what``: _SEND, _RECV) on ``c``'s socket:
+        the bytes it moved, or _AGAIN where it would block. The endpoint's one boundary
+        between its connections and the OS: where the call fails, or a receive finds the end
+        of the stream, ``c`` is lost (:meth:`_lose`) and _FAILED comes back."""
         try:
-            return call(*args)
+            n = call(*args)
         except (BlockingIOError, InterruptedError):
             return _AGAIN
         except OSError as e:
             self._lose(c, f"{what} failed: {e.strerror or e}")
             return _FAILED
+        if not n and what is _RECV:  # (a receive asks for at least a byte)
+            self._lose(c, "connection closed")
+            return _FAILED
+        return n
 
     def push(self, budget_s: float) -> None:
         """Send what is queued now, waiting up to ``budget_s`` for connections still being
@@ -362,8 +366,8 @@ class TcpEndpoint:
                     kept = kept or _frozen(parts)
                     self._queue(c, kept, 0)  # (it asks epoll to say when it takes more)
                     continue
-            n = io(c, "send", c.sock.send, one) if one is not None \
-                else io(c, "send", c.sock.sendmsg, parts)
+            n = io(c, _SEND, c.sock.send, one) if one is not None \
+                else io(c, _SEND, c.sock.sendmsg, parts)
             if n == _FAILED:
                 continue
             if n < total:
@@ -393,7 +397,7 @@ class TcpEndpoint:
     def _flush(self, c: _Conn) -> None:
         while c.pending:
             batch = [c.pending[i] for i in range(min(len(c.pending), 512))]
-            n = self._io(c, "send", c.sock.sendmsg, batch)
+            n = self._io(c, _SEND, c.sock.sendmsg, batch)
             if n < 0:  # (it would block: the rest later; or it failed: lost)
                 return
             c.backlog -= n
@@ -504,10 +508,8 @@ class TcpEndpoint:
         messages of any size, and the caller reads on)."""
         dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
         want = self.hello_len - dec.pending()
-        got = self._io(c, "connection", c.sock.recv_into, self._rbuf, want if want > 0 else 4096)
-        if got <= 0:
-            if got == 0:
-                self._lose(c, "connection closed")
+        got = self._io(c, _RECV, c.sock.recv_into, self._rbuf, want if want > 0 else 4096)
+        if got < 0:
             return False
         if self._take(c, self._rbuf, got, sink) < 0 or c.rank is None:
             return False
@@ -599,11 +601,9 @@ class TcpEndpoint:
         budget = 0
         other = False
         while budget < READ_BUDGET:
-            got = self._io(c, "connection", recv_into, view, rsize)
-            if got <= 0:
-                if got == 0:
-                    self._lose(c, "connection closed")
-                return other or got != _AGAIN
+            got = self._io(c, _RECV, recv_into, view, rsize)
+            if got < 0:
+                return other or got == _FAILED
             budget += got
             data, size = buf, got  # (what the decoder takes)
             if x is not None:
@@ -684,9 +684,8 @@ class TcpEndpoint:
             self._flush(c)
         elif not c.pending:
             self.unflushed.discard(c)
-        if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and fd in self.conns \
-                and self._io(c, "connection", c.sock.recv_into, self._one, 1) == 0:
-            self._lose(c, "connection closed")
+        if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and fd in self.conns:
+            self._io(c, _RECV, c.sock.recv_into, self._one, 1)  # (its end: lost there)
 
     def take_error(self) -> Exception | None:
         """The error the next drain would raise (met by an awaited wait's reader callback),
