@@ -12,7 +12,17 @@ import warnings
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, TypeVar
 
-from ._core import DRIVER_CODES, IO_TAKE_S, Core, Wait, _get_ident, _monotonic
+from ._core import (
+    DRIVER_CODES,
+    FOLLOW_MAX_S,
+    IO_TAKE_S,
+    Core,
+    Follower,
+    Wait,
+    _get_ident,
+    _monotonic,
+)
+from ._core._common import _wake_future
 from ._endpoint import (
     FAIR_S,
     turn_due,
@@ -101,17 +111,21 @@ def _coroutine_function(fn: _F) -> _F:
 
 async def _take_io(core: Core, gen: Wait, collective: str) -> bool:
     """(run_async, finding the endpoint's ``io`` held.) Whether it is taken: waited for in
-    the event loop while the group is free (its holder, another thread's call, is about to
-    take the group or has just left it; or a copy held at a fork: up to IO_TAKE_S); not
-    where a call of another thread holds the group when it looks, first and at each release
-    of the sockets (refused, as the group would). A call cancelled meanwhile has not begun
-    (cancelled_before_it_began)."""
+    the event loop, up to IO_TAKE_S (its holder, a call of another thread, runs a moment
+    between waits; a copy held at a fork never lets it go); a collective not where another
+    is in progress when it looks, first and at each release (refused, as the group would
+    refuse it). A call cancelled meanwhile has not begun (cancelled_before_it_began)."""
     try:
-        return await core.ep.io.acquire_async(IO_TAKE_S, core._lock.locked)
+        return await core.ep.io.acquire_async(
+            IO_TAKE_S, core.collective_in_progress if collective else _never)
     except BaseException:
         gen.close()
         cancelled_before_it_began(core, collective)
         raise
+
+
+def _never() -> bool:
+    return False
 
 
 def cancelled_before_it_began(core: Core, collective: str, how: str = "was cancelled"
@@ -122,9 +136,9 @@ def cancelled_before_it_began(core: Core, collective: str, how: str = "was cance
     would pair its next collective with the others' this one. Where an awaited collective
     of this event loop has the turn (run_async), this one would have waited for it and
     been made: the group breaks once that one has ended (_pass_turn), which the others
-    made too. Not where another call holds the group otherwise: this one would have been
-    refused (ConcurrentUseError), which leaves the group working (and breaking it would end
-    that call); nor in a world of one."""
+    made too. Not where another collective is in progress otherwise (another thread's,
+    say): this one would have been refused (ConcurrentUseError), which leaves the group
+    working (and breaking it would end that call); nor in a world of one."""
     if not collective or core.state != OPEN or core.size <= 1:
         return
     why = (f"{collective} on group {core.name!r} {how} on rank {core.rank} before it began "
@@ -132,7 +146,7 @@ def cancelled_before_it_began(core: Core, collective: str, how: str = "was cance
     held = core._turn.get(0)
     if held is not None and held[0] == _get_ident() and held[1] is asyncio._get_running_loop():
         core._owed = core._owed or why
-    elif not core._lock.locked():
+    elif not core._owner:
         core.abort(f"{collective} #{core.seq} on group {core.name!r} {how} "
                    f"on rank {core.rank} (before it began)")
 
@@ -242,9 +256,10 @@ async def run_async(core: Core, gen: Wait, collective: str = "",
     another task's may come between them on one rank and not on another.) A call
     cancelled or timed out while queued is not made here, though the others may make it:
     the group breaks once the holder's call has ended (cancelled_before_it_began). A turn
-    left by a loop closed before its call could end is taken over. Point-to-point calls,
-    and calls of other threads, are refused where the group is busy, or waited for (the
-    sockets: _take_io)."""
+    left by a loop closed before its call could end is taken over. Point-to-point calls run
+    beside any other (the core's docstring); a collective of another thread is refused while
+    one is in progress. A call that finds the sockets held by another thread's call, which
+    runs a moment between its waits, waits for them in the loop (_take_io)."""
     turn = await _take_turn(core, gen, collective, timeout) if collective else None
     ep = core.ep
     try:
@@ -254,21 +269,23 @@ async def run_async(core: Core, gen: Wait, collective: str = "",
         # Core._abort_suspended)
         io = ep.io
         if not io.acquire(False) and not await _take_io(core, gen, collective):
-            # held by another thread's call (an awaited one mid-step, a long reduction
-            # callable say, or a watchdog's abort for one suspended), which holds the group
-            # too: refused at once, as the group would refuse it, without blocking this
-            # loop; or held past IO_TAKE_S (a copy held by a thread of the parent that
-            # forked this process)
+            # a collective's, another thread's collective in progress (refused at once, as
+            # the group would refuse it, without blocking this loop); or held past
+            # IO_TAKE_S (a long reduction callable in another thread's collective step, a
+            # copy held by a thread of the parent that forked this process)
             gen.close()
             raise ConcurrentUseError(
                 f"group {core.name!r} (rank {core.rank}) is busy with "
-                f"{core._owner or 'a call'} in another thread: a group is used by one thread "
-                "or coroutine at a time")
+                f"{core._owner or 'a call'} in another thread: collectives run one at a "
+                "time, and its sockets are held while a call runs")
         try:
             delay = next(gen)
             while True:
                 try:
-                    await ep.wait_async(delay)
+                    if type(delay) is Follower:
+                        await _follow(io, delay)
+                    else:
+                        await ep.wait_async(delay)
                 except BaseException:  # cancelled: let the generator record what that means
                     gen.close()
                     raise
@@ -281,6 +298,22 @@ async def run_async(core: Core, gen: Wait, collective: str = "",
     finally:
         if turn is not None:
             _pass_turn(core, turn)
+
+
+async def _follow(io: Any, f: Follower) -> None:
+    """(run_async.) A follower's wait (see the core's docstring): on a future of this loop,
+    ``io`` released meanwhile (its future set before: a wake-up, which holds io, is not
+    lost)."""
+    loop = asyncio.get_running_loop()
+    fut = f.fut = loop.create_future()
+    f.loop = loop
+    timer = loop.call_later(min(f.delay, FOLLOW_MAX_S), _wake_future, fut)
+    io.release()
+    try:
+        await fut
+    finally:
+        timer.cancel()
+        io.retake()
 
 
 async def _take_turn(core: Core, gen: Wait, collective: str, timeout: float | None

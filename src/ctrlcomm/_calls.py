@@ -346,7 +346,8 @@ _MAY_FAIL = frozenset({_ops.Failed, list})
 
 def _run_sync(core: Core, call: Call, timeout: float | None) -> Any:
     r = run_sync(core, core.collective(call, None if timeout is None
-                                       else _timeout_arg(timeout, call.name, core.rank)))
+                                       else _timeout_arg(timeout, call.name, core.rank)),
+                 call.name)
     if call.reduces and (type(r) in _MAY_FAIL or type(call.args[0]) in _MAY_FAIL):
         return _reduced(call, core, r)
     return r

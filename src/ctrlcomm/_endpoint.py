@@ -53,10 +53,26 @@ class IoLock:
             self._wake_all()
 
     def nudge(self) -> None:
-        """Wake the coroutines waiting (each looks again whether to give up): the group was
-        taken by a call, which a waiter gives up for."""
+        """Wake the coroutines waiting (each looks again whether to give up): a collective
+        started, which a collective waiting gives up for."""
         if self.waiters:
             self._wake_all()
+
+    def retake(self) -> None:
+        """Take the lock back as a call resumes from a wait (another call may hold it a
+        moment). An exception raised meanwhile by a signal handler (Ctrl-C) is raised once
+        it is held, not instead: the call's end releases it."""
+        lock, exc = self._lock, None
+        while True:
+            try:
+                lock.acquire()
+                break
+            except BaseException as e:
+                exc = e
+                if lock._is_owned():  # type: ignore[attr-defined]  # (raised just after)
+                    break
+        if exc is not None:
+            raise exc
 
     def _wake_all(self) -> None:
         with self._guard:  # (emptied in place: the core holds the list, see Core)
@@ -80,8 +96,7 @@ class IoLock:
     async def acquire_async(self, timeout: float, give_up: Callable[[], bool]) -> bool:
         """Take the lock within ``timeout`` seconds, waiting in the event loop (its holder,
         another thread, wakes this at its release); False at the timeout, or as soon as
-        ``give_up()`` says so (looked at first and after each wake-up: a release, or a
-        :meth:`nudge`)."""
+        ``give_up()`` says so (looked at first and after each wake-up)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while not give_up():

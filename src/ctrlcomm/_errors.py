@@ -9,7 +9,7 @@
     │   └── MismatchTimeoutError (also CollectiveTimeoutError)  a deadline passed, and the
     │                                             ranks waited for said they are in another call
     ├── ReductionError (also ValueError)          a reduction failed (raised where the result goes)
-    ├── ConcurrentUseError (also RuntimeError)    a second thread / coroutine entered a busy group
+    ├── ConcurrentUseError (also RuntimeError)    a collective of a second thread while one runs
     ├── GroupClosedError                          you closed it
     ├── GroupBrokenError                          a peer, a timeout or an abort broke it
     │   └── PeerLostError                         a peer died, stopped or became unreachable
@@ -137,7 +137,8 @@ class OperandError(ReductionError, InvalidArgumentError):
 
 
 class ConcurrentUseError(CtrlcommError, RuntimeError):
-    """A group was entered by a second thread or coroutine while busy."""
+    """A collective was called from a second thread while another was in progress (or an
+    awaited call found the group's sockets held by another thread for over a second)."""
 
 
 class GroupClosedError(CtrlcommError):

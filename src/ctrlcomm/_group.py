@@ -358,10 +358,16 @@ class Group:
 
     The blocking methods run in the caller's thread; ``group.aio`` offers the same methods as
     coroutines, driven by the running event loop. Both share one sequence counter, so blocking
-    and awaited calls may be mixed. A group is used by one thread (or coroutine) at a time: a
-    second caller while one is inside gets :class:`ConcurrentUseError`; but awaited
-    collectives of one event loop take turns, first come first (``asyncio.gather`` of
-    several, one per task, runs them in the order their tasks started, on every rank).
+    and awaited calls may be mixed.
+
+    Point-to-point calls run at once, from any number of tasks and threads (full duplex):
+    sends never wait for a receive, receives of different ``(src, tag)`` wait independently,
+    and receives of one ``(src, tag)`` take its messages in the order they were called. A
+    collective runs while they wait. Collectives run one at a time: awaited collectives of
+    one event loop take turns, first come first (``asyncio.gather`` of several, one per
+    task, runs them in the order their tasks started, on every rank); a collective of
+    another thread while one is in progress raises :class:`ConcurrentUseError` at once (two
+    threads' collectives could pair in a different order on another rank).
     """
 
     _finalizer: weakref.finalize[Any, Any] | None = None

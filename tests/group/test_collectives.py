@@ -717,10 +717,10 @@ def test_an_awaited_call_of_another_thread_mid_step_is_refused_not_waited_for():
 
 
 def awaited_call_as_another_thread_takes_the_sockets(g):
-    """Another thread's call has taken the group's sockets (``io``), not yet the group (the
-    moment between the two, held open here for 0.2 s, then the group held for 2 s): an
-    awaited call started then is refused once the group is taken, its loop not blocked for
-    the sockets' whole wait (1 s) while a ticker waits."""
+    """Another thread's call has taken the group's sockets (``io``), and starts a collective
+    0.2 s later (then runs its first step for 2 s): an awaited collective started meanwhile
+    is refused once the other has started, its loop not blocked for the sockets' whole wait
+    (1 s) while a ticker waits."""
     import threading
 
     core = g._core
@@ -731,11 +731,12 @@ def awaited_call_as_another_thread_takes_the_sockets(g):
         with io:
             taken.set()
             time.sleep(0.2)
-            core.enter("all_reduce")  # (as a call does, after taking the sockets)
+            core._owner = "all_reduce"  # (as a collective starts, holding the sockets)
+            core._nudge()
             try:
                 time.sleep(2.0)
             finally:
-                core.leave()
+                core._owner = ""
 
     th = threading.Thread(target=other_call)
     th.start()

@@ -9,6 +9,27 @@ blocking driver (``_drivers.run_sync``) answers each yield by sleeping in the ke
 asyncio driver (``_aio.run_async``) by awaiting the socket's descriptor through the event
 loop. Nothing else differs between the two.
 
+Calls at once (full duplex). Any number of calls run on one group at once: point-to-point
+calls of several tasks and threads, beside one collective (collectives run one at a time: an
+event loop's in the order its tasks started them, ``_aio``; one of another thread is refused
+while one is in progress, as the two could pair in a different order on another rank). What
+keeps them apart:
+
+- the endpoint's ``io`` (a re-entrant lock) is held by whichever call runs, and never across
+  a wait: a send goes out while a receive waits;
+- one call at a time *leads* (``Core._lock``): it sleeps on the endpoint and reads it, as a
+  single call always did. The first to wait takes the lead where it is free, and keeps it to
+  its end. Another that waits *follows*: it yields a :class:`Follower` instead of seconds,
+  and its driver sleeps on an event (a thread) or a future (a task) of its own, until its
+  deadline or until the leader, after each read, wakes the followers to look at the mailbox
+  again. A follower that finds the lead free takes it. A call that is not the leader never
+  reads while the leader sleeps on the endpoint (its wait and reads are the leader's: a
+  ZeroMQ socket is not to be polled and read from two threads);
+- receives of one (src, tag) stand in line (``_lines``), in the order they were called: only
+  the first takes the next message, and only the first names it to the endpoint's short way;
+- close() and abort() act at once where no leader sleeps on the endpoint (or it is an
+  awaited call suspended in this thread's event loop), else the leader, woken, does it.
+
 Reading: one path. A call waits, then drains the endpoint (every ready socket) into the
 mailbox; the messages its step waits for (``Core.step``, an ``_endpoint.Expected``) an express
 endpoint takes the short way in that drain, where a read begins with one (a header compared,
@@ -39,9 +60,11 @@ The parts, one responsibility each, bottom to top (each calls only those below i
 """
 
 from ._common import DRIVER_CODES as DRIVER_CODES
+from ._common import FOLLOW_MAX_S as FOLLOW_MAX_S
 from ._common import IO_TAKE_S as IO_TAKE_S
 from ._common import MAX_PAYLOAD as MAX_PAYLOAD
 from ._common import Call as Call
+from ._common import Follower as Follower
 from ._common import Wait as Wait
 from ._common import _get_ident as _get_ident
 from ._common import _monotonic as _monotonic

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, final
 
 from .. import _plans
 from .. import _wire as w
@@ -60,7 +60,9 @@ MAX_BACKLOG = 4 * 1024 * 1024
 RECENT = 64  # calls whose (op, root) are kept to find a mismatch after a call returned
 BYE_TEXT = 2000  # characters of why a group was broken, said to the peers as it closes
 
-Wait = Generator[float, None, Any]
+# A call: a generator that yields how long it waits (seconds: on the endpoint, the call
+# leading; a Follower: on its own), and returns the call's result
+Wait = Generator["float | Follower", None, Any]
 
 
 def describe(op: int, root: int) -> str:
@@ -155,6 +157,56 @@ class Past(NamedTuple):
     seq: int
     op: int
     root: int
+
+
+class PointWait:
+    """A point-to-point call that waits (a recv; a send waiting out a backlog): its place in
+    the line of its (src, tag) and what its waits keep (as a collective keeps them on the
+    core: Core._wait's ``st``)."""
+
+    __slots__ = ("name", "waiting_for", "_probed", "_looked", "_settle_until")
+
+    def __init__(self, name: str, waiting_for: list[int]) -> None:
+        self.name = name
+        self.waiting_for = waiting_for
+        self._probed = self._looked = False
+        self._settle_until = 0.0
+
+
+@final
+class Follower:
+    """A wait of a call that does not lead (see the package's docstring): yielded to the
+    driver in place of seconds, it sleeps on its own until ``delay`` passes or another call
+    wakes it (:meth:`wake`, holding ``io``). The driver gives it what it sleeps on (an event,
+    or a future of its loop) before it lets ``io`` go, so that no wake-up is lost."""
+
+    __slots__ = ("delay", "event", "loop", "fut")
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.event: threading.Event | None = None
+        self.loop: Any = None
+        self.fut: Any = None
+
+    def wake(self) -> None:
+        ev = self.event
+        if ev is not None:
+            ev.set()
+        elif self.fut is not None:
+            try:
+                self.loop.call_soon_threadsafe(_wake_future, self.fut)
+            except RuntimeError:  # (its loop is closed: nobody waits there)
+                pass
+
+
+def _wake_future(fut: Any) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+# The longest a follower sleeps at once (threading's waits refuse an infinite timeout): it
+# looks again and sleeps on
+FOLLOW_MAX_S = 3600.0
 
 
 class Said(NamedTuple):

@@ -38,6 +38,7 @@ from ._common import (
     RECENT,
     Active,
     Call,
+    PointWait,
     Wait,
     _check_size,
     _first_pass,
@@ -81,12 +82,15 @@ class Core(_Mailbox):
         bound.
         """
         name, opcode, root = call.name, call.opcode, call.root
-        if self.state != OPEN or not self._lock.acquire(False):  # False: do not block
-            self.enter(name)  # raises: closed, broken, or busy
-        elif self._io_waiters:
-            self._nudge()  # (an awaited call of another thread waits for the sockets)
+        if self.state != OPEN or self._owner:
+            self.enter_collective(name)  # raises: closed, broken, or busy
         self._owner = name
-        self._holder = _get_ident()
+        if self._io_waiters:
+            self._nudge()  # (an awaited collective of another thread waits for the sockets)
+        # the lead (see the package's docstring), where no point-to-point call has it
+        lead = self._lock.acquire(False)
+        if lead:
+            self._holder = _get_ident()
         seq = self._cur_seq = self.seq
         self.seq = seq + 1
         self._cur_call = (opcode, root)
@@ -124,7 +128,7 @@ class Core(_Mailbox):
                     self._post(sends, rnd, seq, opcode, root)
                     if ep.unflushed:  # else nothing is queued: no backlog to wait out
                         yield from self._backpressure([d for d, _ in sends], deadline, t,
-                                                      name, seq)
+                                                      name, seq, lead)
                 reply = {}
                 if not recvs:
                     continue
@@ -139,7 +143,7 @@ class Core(_Mailbox):
                             del left[s]
                 raw: dict[int, bytearray] = {}
                 x = self.step = _new(Expected, (left, raw, gid, _COLL, seq, rnd, opcode, root))
-                if xr is not None:
+                if xr is not None and lead:
                     xr.expect = x
                 while True:
                     if self.mismatch is not None:
@@ -157,15 +161,29 @@ class Core(_Mailbox):
                         # what _wait answers in the usual case, without its call: nobody
                         # lost or suspect, no deadline or probe due yet
                         self.waiting_for = list(left)
-                        yield min(probe_at, self._live_until) - now
+                        delay = min(probe_at, self._live_until) - now
                     else:
-                        yield self._wait(list(left), deadline, t, name, seq, start)
-                    if self._deferred or ep.closed:
-                        self.pump()  # does what close() or abort() asked; raises if closed
-                    ep.drain(self._sink)
+                        delay = self._wait(list(left), deadline, t, name, seq, start)
+                    if not lead:
+                        lead = self.lead()
+                        if lead and xr is not None:
+                            xr.expect = x
+                    if lead:
+                        self._asleep = True
+                        yield delay
+                        self._asleep = False
+                        if self._deferred or ep.closed:
+                            self.pump()  # does what close() or abort() asked; raises if closed
+                        ep.drain(self._sink)
+                        if self._followers:
+                            self.wake_followers()
+                    else:
+                        yield from self.follow(delay)
+                        self.pump()
                 self.step = NO_STEP
                 if xr is not None:
-                    xr.expect = None
+                    if lead:
+                        xr.expect = None
                     self.received += len(raw)
                 held = self.held
                 unpickle = self._unpickle
@@ -209,9 +227,9 @@ class Core(_Mailbox):
             self._send_failed = None
             if self.step is not NO_STEP:  # (a step that did not complete)
                 self.received += len(self.step.raw)
-                self.step = NO_STEP
-                if xr is not None:
+                if xr is not None and xr.expect is self.step:
                     xr.expect = None
+                self.step = NO_STEP
             rest = box.pop(seq, None)
             if rest:  # duplicates, or the rest of a failed call
                 self.dropped["stale"] += len(rest)
@@ -220,10 +238,14 @@ class Core(_Mailbox):
             self._cur_seq = -1
             self.mismatch = None
             self.waiting_for = _NONE_LOST
-            self._owner = ""  # self.leave(), inline
-            self._lock.release()
-            if self._deferred:  # asked for while this call held the group
-                self._run_deferred_unlocked()
+            self._owner = ""
+            if lead:  # (give_up_lead, in line but for its rare part)
+                self._asleep = False
+                self._lock.release()
+                if self._deferred or self._followers:
+                    self.after_lead()
+            elif self._deferred:  # asked for while this call ran
+                self.run_deferred_here()
 
     def _check_early(self, seq: int, opcode: int, root: int) -> None:
         """Messages of this call that came before it began: of the same call?"""
@@ -284,91 +306,155 @@ class Core(_Mailbox):
     def send(self, obj: Any, dst: int | tuple[int, ...], tag: int, timeout: float | None,
              what: str = "") -> Wait:
         """Point to point: ``obj`` to ``dst``, or to each rank of a tuple (encoded once).
-        ``what`` names the call in errors (default: ``send(dst=..., tag=...)``)."""
-        self.enter(what or "send")
+        ``what`` names the call in errors (default: ``send(dst=..., tag=...)``). It runs
+        beside any other call: it waits for none (but a backlog: _backpressure)."""
+        self.check_open()
         dsts = dst if isinstance(dst, tuple) else (dst,)
         name = what  # (or the default: _send_name)
-        try:
-            self._look(dsts, name, dst=dst, tag=tag)
-            try:  # (the usual object pickled by w.dumps' first pass: see _encoded)
-                payload, bufs = self._encoded(obj, _first_pass(obj) if self._fast else None)
-                if bufs or len(payload) > MAX_PAYLOAD:
-                    _check_size(payload, bufs)
-            except CodecError as e:
-                raise CodecError(f"{_send_name(name, dst, tag)} on group {self.name!r}, "
-                                 f"rank {self.rank}: {e}") from None
-            ep, count = self.ep, self.p2p_out
-            for d in dsts:  # (each destination numbers what it gets from this rank: 1, 2...)
-                n = count.get(d, 1)
-                self._emit(w.P2P, (d,), n, tag, 0, w.NO_ROOT, self.codec, payload, bufs)
-                count[d] = n + 1
-            self.sent += len(dsts)
-            if ep.unflushed:  # else nothing is queued: no backlog to wait out
-                name = _send_name(name, dst, tag)
-                t = self.timeout if timeout is None else float(timeout)
-                yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None)
-            if self.gone or self.suspects:  # lost while it was sent: the rest was dropped
-                self._unreachable(dsts, _send_name(name, dst, tag))
-        finally:
-            self.waiting_for = []
-            self.leave()
+        self._look(dsts, name, dst=dst, tag=tag)
+        try:  # (the usual object pickled by w.dumps' first pass: see _encoded)
+            payload, bufs = self._encoded(obj, _first_pass(obj) if self._fast else None)
+            if bufs or len(payload) > MAX_PAYLOAD:
+                _check_size(payload, bufs)
+        except CodecError as e:
+            raise CodecError(f"{_send_name(name, dst, tag)} on group {self.name!r}, "
+                             f"rank {self.rank}: {e}") from None
+        ep, count = self.ep, self.p2p_out
+        for d in dsts:  # (each destination numbers what it gets from this rank: 1, 2...)
+            n = count.get(d, 1)
+            self._emit(w.P2P, (d,), n, tag, 0, w.NO_ROOT, self.codec, payload, bufs)
+            count[d] = n + 1
+        self.sent += len(dsts)
+        if ep.unflushed:  # else nothing is queued: no backlog to wait out
+            name = _send_name(name, dst, tag)
+            t = self.timeout if timeout is None else float(timeout)
+            yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None,
+                                          False)
+        if self.gone or self.suspects:  # lost while it was sent: the rest was dropped
+            self._unreachable(dsts, _send_name(name, dst, tag))
+        if self._deferred:  # asked for while this call ran
+            self.run_deferred_here()
 
     def recv(self, src: int, tag: int, timeout: float | None, what: str = "") -> Wait:
-        """The next message of ``src`` with ``tag``; ``what`` names the call in errors."""
-        self.enter(what or "recv")
+        """The next message of ``src`` with ``tag``; ``what`` names the call in errors.
+
+        Receives of one (src, tag) take its messages in the order they were called: each
+        waits in that line (``_lines``) until it is first. The first receive to wait takes
+        the lead where no call has it (it sleeps on the endpoint, and, first in its line,
+        names what it waits for to it: _expect); the others follow (see the package's
+        docstring)."""
+        self.check_open()
+        p2p, key = self.p2p, (src, tag)
+        lines = self._lines
+        line = lines.get(key)
+        if line is None:
+            q = p2p.get(key)
+            if q:  # there already, and no receive of it called before this one
+                return self._next_of(key, q, what or f"recv(src={src}, tag={tag})")
         t = self.timeout if timeout is None else float(timeout)
         name = what or f"recv(src={src}, tag={tag})"
         deadline = _monotonic() + t
-        self._probed = self._looked = False
-        self._settle_until = 0.0
-        self.active = Active(name, -1, 0, w.NO_ROOT)
-        p2p, key = self.p2p, (src, tag)
+        me = PointWait(name, [src])
+        if line is None:
+            line = lines[key] = [me]
+        else:
+            line.append(me)
+        lead = self._lock.acquire(False)  # (self.lead(), in line)
+        if lead:
+            self._holder = _get_ident()
         x = NO_STEP
         try:
             while True:
-                if x.raw:  # taken the short way (what the mailbox held came later)
-                    return self._took(x, src, name)
-                q = p2p.get(key)
-                if q:
-                    m = q.popleft()
-                    if not q:
-                        del p2p[key]
-                    return self._decode(m, name)
+                if line[0] is me:
+                    if x.raw:  # taken the short way (what the mailbox held came later)
+                        return self._took(x, src, name)
+                    q = p2p.get(key)
+                    if q:
+                        return self._next_of(key, q, name)
                 if self.state == BROKEN:  # (as a collective's wait raises it)
-                    c = self.cause
-                    if isinstance(c, GroupBrokenError):
-                        raise self._cause_in(name)
-                    raise GroupBrokenError(str(c)) from c
-                if not x.left:  # (the number it waited for came with another tag)
-                    x = self._expect(src, tag)
-                yield self._wait([src], deadline, t, name, None)
+                    raise self._broken_in_recv(name)
+                delay = self._wait([src], deadline, t, name, None, st=me)
+                if not lead:
+                    lead = self.lead()
+                if lead:
+                    if not x.left and line[0] is me:
+                        # (first, or the number it waited for came with another tag)
+                        x = self._expect(src, tag)
+                    self._asleep = True
+                    yield delay
+                    self._asleep = False
+                else:
+                    yield from self.follow(delay)
                 self.pump()
         except GeneratorExit:
-            e = self._xr.take_error() if self._xr is not None else None
-            if e is not None and self.state == OPEN:
-                # an awaited wait's reader callback failed, and the call was cancelled
-                # before it resumed to raise it: not left for a later call to raise as its
-                # own. The recv leaves the group as it was, but what the failed read took
-                # may be lost: the group breaks, and the others are told.
-                self._tell_peers(w.ABORT, f"{name} on group {self.name!r} failed on rank "
-                                          f"{self.rank} as it was cancelled: "
-                                          f"{type(e).__name__}: {e}"[:BYE_TEXT])
-                self.brk(e)
+            if lead:
+                self._cancelled_recv(name)
             raise
         finally:
-            self.step = NO_STEP
-            if self._xr is not None:
-                self._xr.expect = None
+            self._recv_ends(me, key, x, lead)
+
+    def _broken_in_recv(self, name: str) -> BaseException:
+        """What a recv raises on finding the group broken (as a collective's wait does, but
+        the cause named as a GroupBrokenError's cause where it is not one itself)."""
+        c = self.cause
+        if isinstance(c, GroupBrokenError):
+            return self._cause_in(name)
+        e = GroupBrokenError(str(c))
+        e.__cause__ = c
+        return e
+
+    def _next_of(self, key: tuple[int, int], q: deque[w.Message], name: str) -> Any:
+        """(recv.) The first message of ``key``'s queue ``q``, taken and decoded."""
+        m = q.popleft()
+        if not q:
+            del self.p2p[key]
+        return self._decode(m, name)
+
+    def _cancelled_recv(self, name: str) -> None:
+        """(recv, leading, cancelled.) An error its awaited wait's reader callback met, not
+        raised yet: not left for a later call to raise as its own."""
+        e = self._xr.take_error() if self._xr is not None else None
+        if e is not None and self.state == OPEN:
+            # The recv leaves the group as it was, but what the failed read took may be
+            # lost: the group breaks, and the others are told.
+            self._tell_peers(w.ABORT, f"{name} on group {self.name!r} failed on rank "
+                                      f"{self.rank} as it was cancelled: "
+                                      f"{type(e).__name__}: {e}"[:BYE_TEXT])
+            self.brk(e)
+
+    def _recv_ends(self, me: PointWait, key: tuple[int, int], x: Expected, lead: bool
+                   ) -> None:
+        """(recv, however it ends.) Out of its line and, leading, out of the lead; a message
+        taken the short way that it did not return goes back first in its queue."""
+        if x is not NO_STEP:
+            if self.pstep is x:
+                self.pstep = NO_STEP
+                if self._xr is not None:
+                    self._xr.expect = None
             if x.raw:
                 # taken the short way as the recv ended without it (cancelled, closed...):
                 # the next recv's, first in line, as the mailbox keeps it
+                src, tag = key
                 self._count_p2p(src, x.seq)
-                p2p.setdefault(key, deque()).appendleft(_new(w.Message, (
+                self.p2p.setdefault(key, deque()).appendleft(_new(w.Message, (
                     w.P2P, src, self.group_id, x.seq, tag, 0, w.NO_ROOT, _PICKLE,
                     x.raw.pop(src), ())))
-            self.active = None
-            self.waiting_for = []
-            self.leave()
+        line = self._lines[key]
+        first = line[0] is me
+        line.remove(me)
+        if not line:
+            del self._lines[key]
+        elif first:  # the next in line may have its message there already
+            self.wake_followers()
+            if self._asleep and not lead:
+                self.ep.wake()
+        if lead:  # (give_up_lead, in line but for its rare part)
+            self._asleep = False
+            self._lock.release()
+            if self._deferred or self._followers:
+                self.after_lead()
+        elif self._deferred:  # asked for while this call ran
+            self.run_deferred_here()
 
     def send_self(self, obj: Any, tag: int, what: str) -> None:
         """A send to this rank itself (as MPI allows): ``obj`` encoded, for :meth:`recv_self`;

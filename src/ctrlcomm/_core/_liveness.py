@@ -122,41 +122,48 @@ class _Liveness(_Mismatch):
 
     def describe_state(self) -> str:
         a = self.active
-        if a is None:
+        calls = [f"in {describe(a.op, a.root)} #{a.seq}, waiting for ranks {self.waiting_for}"
+                 ] if a is not None else []
+        calls += [f"in {p.name}, waiting for ranks {p.waiting_for}"
+                  for line in self._lines.values() for p in line]
+        if not calls:
             last = self.last[0] if self.last[1] is None else f"{self.last[0]} #{self.last[1]}"
             return f"idle (last call: {last})"
-        what = f"{describe(a.op, a.root)} #{a.seq}" if a.seq >= 0 else a.name
-        return f"in {what}, waiting for ranks {self.waiting_for}"
+        return "; ".join(calls)
 
     def _wait(self, missing: list[int], deadline: float, t: float, name: str, seq: int | None,
-              start: float = 0.0) -> float:
+              start: float = 0.0, st: Any = None) -> float:
         """Before one wait for ``missing`` ranks: raise if one is lost or the deadline passed,
         ask them what they are doing shortly before it (and, in a collective that started at
         ``start``, 1, 3, 7... s into it: FIRST_PROBE); else the seconds to sleep (at most:
-        the wait ends when something arrives)."""
+        the wait ends when something arrives). ``st`` keeps what the call's waits keep
+        (``waiting_for``, ``_probed``, ``_looked``, ``_settle_until``): a point-to-point
+        call's PointWait; the core itself for the collective."""
+        if st is None:
+            st = self
         if self.paused:
             for s in missing:
                 if s in self.paused:  # what is wanted came first from it; read on: why not?
                     self.paused.discard(s)
                     self.ep.resume(s)
-        self.waiting_for = missing
+        st.waiting_for = missing
         now = _monotonic()
         if now < self._live_until and not self.gone and not self.suspects:
             lost, suspect_at = _NONE_LOST, self._live_until  # the usual case, cheaply
         else:
             lost, suspect_at = self._check_lost(missing, now)
         if lost:
-            return self._settle_or_raise(lost, now, deadline, name, seq)
+            return self._settle_or_raise(lost, now, deadline, name, seq, st)
         if now >= deadline:
-            if not self._looked:  # a last read first: what is wanted may be in a socket
-                self._looked = True
+            if not st._looked:  # a last read first: what is wanted may be in a socket
+                st._looked = True
                 return 0.0
             raise self._timeout(name, seq, t, missing)
-        if self._probed:
+        if st._probed:
             return min(deadline, suspect_at) - now
         probe_at = deadline - min(PROBE_GRACE, t / 10)
         if now >= probe_at:
-            self._probed = True
+            st._probed = True
             for s in missing:
                 self.status.pop(s, None)
                 self.status_call.pop(s, None)
@@ -168,7 +175,7 @@ class _Liveness(_Mismatch):
         return min(probe_at, suspect_at) - now
 
     def _settle_or_raise(self, lost: list[int], now: float, deadline: float, name: str,
-                         seq: int | None) -> float:
+                         seq: int | None, st: Any) -> float:
         """(_wait, ranks it waits for lost.) First, what the sockets hold read to its end,
         and looked at by the caller: a peer that sent what is waited for and then left
         (exited, closed: its heartbeats stopped long ago) had it taken, not lost (a
@@ -176,12 +183,14 @@ class _Liveness(_Mismatch):
         next). A settle's reads are bounded (a flood: FAIR_S a drain, SETTLE_ROUNDS drains):
         while one takes anything, another follows, for SETTLE_S at most (what a lost peer
         sent is finite; a live one may flood on). Then PeerLostError."""
-        until = self._settle_until
+        until = st._settle_until
         if until == 0.0 or now < min(deadline, until):
-            n = self.received + len(self.step.raw)  # (what the short way took: counted
-            self.settle()  # as its step ends)
-            self._settle_until = (until or now + SETTLE_S) \
-                if self.received + len(self.step.raw) != n else -math.inf
+            # (what the short way took: counted as its step ends)
+            n = self.received + len(self.step.raw) + len(self.pstep.raw)
+            self.settle()
+            st._settle_until = (until or now + SETTLE_S) \
+                if self.received + len(self.step.raw) + len(self.pstep.raw) != n \
+                else -math.inf
             return 0.0
         what = f"{name} #{seq}" if seq is not None else name
         raise PeerLostError(

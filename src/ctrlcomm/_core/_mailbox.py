@@ -90,8 +90,8 @@ class _Mailbox(_Liveness):
         if kind == w.P2P:
             # each sender numbers its point-to-point messages to this rank 1, 2, 3...: an
             # old number is a replay (it would pass the MAC: the frame is genuine)
-            x = self.step
-            expected = x.kind == w.P2P  # (a recv's step: its sender's the one in it)
+            x = self.pstep
+            expected = x.kind == w.P2P  # (a recv's: its sender's the one in it)
             nxt = self.p2p_in.get(src, 1)
             if expected and src in x.raw and x.seq >= nxt:
                 nxt = x.seq + 1  # (taken the short way: counted as the recv returns it)
@@ -162,8 +162,8 @@ class _Mailbox(_Liveness):
     def _expect(self, src: int, tag: int) -> Expected:
         """(recv) What it waits for, as an express endpoint's drain may take it the short
         way: the next message ``src`` numbers for this rank, if it has ``tag``."""
-        x = self.step = _new(Expected, ({src: None}, {}, self.group_id, w.P2P,
-                                        self.p2p_in.get(src, 1), tag, 0, w.NO_ROOT))
+        x = self.pstep = _new(Expected, ({src: None}, {}, self.group_id, w.P2P,
+                                         self.p2p_in.get(src, 1), tag, 0, w.NO_ROOT))
         if self._xr is not None:
             self._xr.expect = x
         return x
@@ -201,8 +201,9 @@ class _Mailbox(_Liveness):
                 self.ep.resume(src)
 
     def _backpressure(self, dsts: list[int], deadline: float, t: float, name: str,
-                      seq: int | None) -> Wait:
-        """Wait while more than MAX_BACKLOG bytes are queued for any of ``dsts``."""
+                      seq: int | None, lead: bool) -> Wait:
+        """Wait while more than MAX_BACKLOG bytes are queued for any of ``dsts`` (``lead``:
+        whether the call leads)."""
         if self.ep.unflushed:  # a connection still being made, or a kernel buffer was full
             self.pump()
         while True:
@@ -211,7 +212,8 @@ class _Mailbox(_Liveness):
                 return
             if self.state == BROKEN:  # (a step that completed may still send after it)
                 raise self._cause_in(name if seq is None else f"{name} #{seq}")
-            self.waiting_for = full
+            if seq is not None:
+                self.waiting_for = full
             self.pump()
             # the pump may have sent it all: then no event would end a wait (two ranks
             # sending to each other waited for their deadlines so)
@@ -226,7 +228,7 @@ class _Mailbox(_Liveness):
                                     f"{self.gone[lost[0]]}", ranks=lost)
             if now >= deadline:
                 raise self._timeout(f"{name} (sending)", seq, t, full)
-            yield min(deadline, suspect_at) - now
+            yield from self.pause(lead, min(deadline, suspect_at) - now)
 
     def _decode(self, m: w.Message, what: str, seq: int | None = None) -> Any:
         try:

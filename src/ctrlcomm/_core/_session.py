@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from .. import _wire as w
@@ -25,6 +25,7 @@ from ._common import (
     BYE_TEXT,
     DRIVER_CODES,
     IO_TAKE_S,
+    Follower,
     _get_ident,
 )
 from ._sending import _Sending
@@ -77,31 +78,73 @@ class _Session(_Sending):
             self.cause = cause  # (first: a call in another thread raises it once broken)
         self.state = after(self.state, BREAK)
 
-    def enter(self, what: str) -> None:
-        if not self._lock.acquire(blocking=False):
+    def enter_collective(self, what: str) -> None:
+        """(Holding ``io``.) A collective starts: raise where the group is closed or broken,
+        or another collective is in progress (collectives run one at a time, in the order
+        they start; one of another thread is refused, see Group)."""
+        self.check_open()
+        if self._owner:
             raise ConcurrentUseError(
-                f"group {self.name!r} (rank {self.rank}) is busy with {self._owner}: a group is "
-                f"used by one thread or coroutine at a time (called {what})")
-        if self._io_waiters:  # (an awaited call of another thread waits for the sockets)
-            self._nudge()
-        self._owner = what
-        self._holder = _get_ident()
-        try:
-            self.check_open()
-        except BaseException:
-            self._unlock()
-            raise
+                f"group {self.name!r} (rank {self.rank}) is busy with {self._owner}: "
+                f"collectives run one at a time (called {what}); one of another thread does "
+                "not wait for the one in progress, as the order of the two could differ "
+                "between ranks")
 
-    def leave(self) -> None:
-        self._owner = ""
-        self._unlock()
+    def collective_in_progress(self) -> bool:
+        return bool(self._owner)
 
-    def _unlock(self) -> None:
-        """Release the group, then run what close() or abort() asked for while it was held
-        (they could not take the lock: whoever releases it must look)."""
+    def lead(self) -> bool:
+        """(Holding ``io``.) Take the lead where no call has it: whether this call has it now
+        (it sleeps on the endpoint, and reads it, from now until it ends)."""
+        if self._lock.acquire(False):
+            self._holder = _get_ident()
+            return True
+        return False
+
+    def give_up_lead(self) -> None:
+        """(Holding ``io``, the lead this call's.) The call ends: the lead is free again; the
+        followers are woken (one takes it), and what close() or abort() asked is done."""
+        self._asleep = False
         self._lock.release()
+        self.after_lead()
+
+    def after_lead(self) -> None:
+        """(give_up_lead, the lead released.)"""
         if self._deferred:
-            self._run_deferred_unlocked()
+            self.run_deferred_here()
+        self.wake_followers()
+
+    def follow(self, delay: float) -> Generator[Any, None, None]:
+        """(A call's wait that does not lead, holding ``io``.) Sleep, for ``delay`` at most,
+        until the leader read something or gave up the lead."""
+        f = Follower(delay)
+        followers = self._followers
+        followers.append(f)
+        try:
+            yield f
+        finally:
+            followers.remove(f)
+
+    def pause(self, lead: bool, delay: float) -> Generator[Any, None, None]:
+        """One wait of a call, ``lead``: whether it leads. One that does not leads for this
+        wait where none does (a send waiting out a backlog), else follows."""
+        if not lead and self.lead():
+            try:
+                self._asleep = True
+                yield delay
+            finally:
+                self.give_up_lead()
+        elif lead:
+            self._asleep = True
+            yield delay
+            self._asleep = False
+        else:
+            yield from self.follow(delay)
+
+    def wake_followers(self) -> None:
+        """(Holding ``io``.) Each follower looks again."""
+        for f in self._followers:
+            f.wake()
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -135,43 +178,48 @@ class _Session(_Sending):
         return False
 
     def _defer(self, what: str, reason: str) -> None:
-        """Do what close() or abort() must do with the sockets: now if the group is idle,
-        else in the thread (or task) whose call holds it, woken at once for it. (The state
-        has changed already: a call that starts meanwhile raises.)"""
+        """Do what close() or abort() must do with the sockets: now, where no call sleeps on
+        the endpoint (its waits and reads are the leader's), or where the leader is an awaited
+        call suspended in this thread's event loop (which may never run again: it finds the
+        group closed or broken if it resumes); else the leader, woken at once, does it. (The
+        state has changed already: a call that starts meanwhile raises.) Not in the middle
+        of a call of this thread (a signal handler, a reduction callable under it): that
+        call does it, at its next look or its end. (``io`` is held by a call only while it
+        runs: taken within IO_TAKE_S, else the call that holds it does it as it ends.)"""
         self._deferred.append((what, reason))
-        if self._lock.acquire(False):
-            # (held by no call: one asked meanwhile in this thread, from a signal handler,
-            # waits for this one, run by the loop below, not inside it)
+        if not self._in_call():
+            io = self.ep.io
+            if io.acquire(timeout=IO_TAKE_S):
+                try:
+                    if self._deferred:
+                        self.run_deferred_here()
+                finally:
+                    io.release()
+        # (a wait ends: the leader does what is left; a closed endpoint's wake is nothing)
+        self.ep.wake()
+        if what == "abort" and self._deferred and self._holder != _get_ident():
+            self._abort_suspended()
+
+    def run_deferred_here(self) -> None:
+        """(Holding ``io``.) What close() or abort() asked, done now where the endpoint is not
+        another call's to wait on (see _defer); else its leader is woken to do it."""
+        if self._lock.acquire(False):  # (no call leads)
             self._holder = 0
             try:
                 self._run_deferred()
             finally:
-                self._unlock()
-        elif self._holder == _get_ident() and not self._in_call():
-            # held by an awaited call suspended in this thread's event loop (which may never
-            # run again): no other thread uses the sockets: do it now; the call, if it
-            # resumes, finds the group closed or broken. (Not so when a blocking call of
-            # this thread is under this one, in a signal handler or a reduction callable:
-            # it is mid-wait or mid-step, and does it itself, below.) Its wait is ended
-            # (an abort leaves the sockets open: nothing else would wake it before its
-            # next probe, liveness check or deadline). (Taking the sockets from a watchdog's
-            # abort sending meanwhile: see _abort_suspended; ``io`` is re-entrant: a signal
-            # handler's close() or abort() while this thread's loop reads, in its reader
-            # callback, holding it, waited for itself)
-            io = self.ep.io
-            took = io.acquire(timeout=IO_TAKE_S)
-            try:
-                self._run_deferred()
-            finally:
-                if took:
-                    io.release()
-            self.ep.wake()
+                self._lock.release()
+        elif self._holder == _get_ident():
+            # this call leads, or the leader is an awaited call suspended in this thread's
+            # loop, not reading meanwhile
+            self._run_deferred()
         else:
-            # held by another thread: it runs this at its next wake-up, or when its call
-            # ends, whichever is first (after releasing the lock, it looks: _unlock)
+            # the leader is another thread's (it does it, woken), or this thread runs the
+            # loop of _run_deferred already (this was asked in its sending: a signal
+            # handler's close() in an abort's send; the loop takes it next)
             self.ep.wake()
-            if what == "abort" and self._holder != _get_ident():
-                self._abort_suspended()
+            return
+        self.wake_followers()
 
     def _abort_suspended(self) -> None:
         """abort() from a thread (a watchdog) while an awaited call of another thread's event
@@ -200,18 +248,8 @@ class _Session(_Sending):
             ep.io.release()
         ep.wake()
 
-    def _run_deferred_unlocked(self) -> None:
-        # (the loop: what is asked while this runs is run too, or by whoever holds the
-        # lock when it is asked)
-        while self._deferred and self._lock.acquire(False):
-            self._holder = 0  # (as in _defer)
-            try:
-                self._run_deferred()
-            finally:
-                self._lock.release()
-
     def _run_deferred(self) -> None:
-        """(Holding the lock.)"""
+        """(Holding ``io`` and the lead, or the leader suspended in this thread's loop.)"""
         while self._deferred:
             what, reason = self._deferred.pop(0)
             if self.ep.closed:
@@ -284,18 +322,25 @@ class _Session(_Sending):
         self._defer("abort", reason)
 
     def pump(self) -> None:
+        """(Holding ``io``.) What close() or abort() asked done (run_deferred_here), then
+        what arrived read (not while the leader sleeps on the endpoint: its reads are
+        its own, and it wakes the followers after each)."""
         if self._deferred:  # close() or abort() from another thread or task
-            self._run_deferred()
+            self.run_deferred_here()
         if self.ep.closed:  # closed by another task while a call waited
             raise GroupClosedError(f"group {self.name!r} (rank {self.rank}) was closed "
                                    "during the call")
-        self.ep.drain(self._sink)
+        if not self._asleep:
+            self.ep.drain(self._sink)
+            if self._followers:
+                self.wake_followers()
 
     def settle(self) -> None:
         """As :meth:`pump`, but what the sockets hold read to its end (the endpoint's
         settle), before a wait raises that a peer it waits for is lost."""
         self.pump()
-        self.ep.settle(self._sink)
+        if not self._asleep:
+            self.ep.settle(self._sink)
 
     def _fail_call(self, e: CtrlcommError) -> None:
         """The ranks are out of step, or a peer gave up this call: the collective in progress

@@ -29,7 +29,9 @@ from ._common import (
     NO_STEP,
     RECENT,
     Active,
+    Follower,
     Past,
+    PointWait,
     Said,
 )
 
@@ -100,19 +102,33 @@ class _CoreState:
         self.mismatch: CtrlcommError | None = None
         # this rank's object the current collective could not send (sent in its place)
         self._send_failed: _ops.Failed | None = None
-        # the messages the step in progress waits for (Core.collective, Core.recv): the
-        # mailbox takes a sender out of it as its message comes, the endpoint's drain too
-        # where it takes one the short way (an ExpressEndpoint's ``expect``)
+        # the messages the collective's step in progress waits for: the mailbox takes a
+        # sender out of it as its message comes, the endpoint's drain too where it takes one
+        # the short way (an ExpressEndpoint's ``expect``, while the collective leads)
         self.step = NO_STEP
+        # the message the recv that leads waits for, where it is first in its line (it is
+        # the endpoint's ``expect`` then): the mailbox's count of its sender's numbers
+        # looks at what the short way took of it
+        self.pstep = NO_STEP
         self._in_place = False  # whether the current collective can send a failure so
         self.last: tuple[str, int | None] = ("nothing yet", None)
+        # Calls run at once (see the package's docstring). The endpoint's ``io`` is held by
+        # whichever runs (never across a wait). ``_lock`` is the lead: held by the one call
+        # that sleeps on the endpoint and reads it (taken as a call starts where it is free,
+        # else as it next waits), or by close() and abort() doing their part; the others
+        # (``_followers``) sleep on their own, woken by the leader after each read.
         self._lock = threading.Lock()
-        # (called as a call takes the group: an awaited call waiting for the sockets, in
+        self._holder = 0  # the thread whose call last took the lead (0: close or abort did)
+        self._asleep = False  # whether the leader is in a wait (the endpoint is its)
+        self._followers: list[Follower] = []
+        # the recvs waiting, in the order they were called, per (src, tag): the first
+        # takes the next message
+        self._lines: dict[tuple[int, int], list[PointWait]] = {}
+        self._owner = ""  # the collective in progress (one at a time), by name
+        # (called as a collective starts: an awaited collective waiting for the sockets, in
         # another thread's loop, then gives up: _aio._take_io)
         self._nudge = endpoint.io.nudge
         self._io_waiters = endpoint.io.waiters  # (the same list for the endpoint's life)
-        self._owner = ""
-        self._holder = 0  # the thread whose call last took the lock (0: close or abort did)
         # awaited collectives of one event loop take turns (run_async): at key 0, the
         # (thread, loop) whose awaited collective has the turn (none: none has; taken with
         # setdefault, which no other thread can interleave), and the futures of those

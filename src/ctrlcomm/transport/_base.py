@@ -64,19 +64,12 @@ def _let_go(ep: Any) -> None:
 
 def _take_back(ep: Any) -> None:
     """Take ``ep.io`` back as a suspended call resumes (a watchdog's abort may hold it a
-    moment). An exception raised meanwhile by a signal handler (Ctrl-C) is raised once it is
-    held, not instead: the call's end releases it (it released a watchdog's hold, which then
-    raised from abort(), and ``held_async`` stayed set)."""
-    io, exc = ep.io, None
-    while True:
-        try:
-            io.acquire()
-            break
-        except BaseException as e:
-            exc = e
-            if io._is_owned():  # (raised just after it was taken)
-                break
-    ep.held_async = False
-    if exc is not None:
-        raise exc
+    moment; a signal's exception is raised once it is held: IoLock.retake), ``held_async``
+    cleared either way (it stayed set once, a watchdog's abort then raising)."""
+    try:
+        ep.io.retake()
+    finally:
+        ep.held_async = False
+
+
 SETTLE_ROUNDS = 8  # drains of a settle (see TcpEndpoint.settle): accept, identify, read
