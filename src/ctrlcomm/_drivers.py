@@ -16,7 +16,9 @@ def run_sync(core: Core, gen: Wait, collective: str = "") -> Any:
     in another thread (not after waiting for that thread's step to let the sockets go)."""
     ep = core.ep
     io = ep.io
-    if not io.acquire(False):
+    # (io's methods, in line for the usual case: the lock free, no coroutine waiting for it)
+    lock, waiters = io._lock, io.waiters
+    if not lock.acquire(False):
         if collective and core._owner:
             gen.close()
             core.enter_collective(collective)  # (raises)
@@ -34,11 +36,14 @@ def run_sync(core: Core, gen: Wait, collective: str = "") -> Any:
                     finally:
                         io.retake()
                 else:
-                    io.release()
+                    lock.release()
+                    if waiters:
+                        io.wake_waiters()
                     try:
                         ep.wait(delay)
                     finally:
-                        io.retake()
+                        if not lock.acquire(False):
+                            io.retake()
             except BaseException as e:  # Ctrl-C while it slept: the call sees it where it
                 # waits, so it ends now (the lead released, the others told), not when the
                 # exception's traceback, which holds the generator, goes
@@ -48,7 +53,9 @@ def run_sync(core: Core, gen: Wait, collective: str = "") -> Any:
     except StopIteration as e:
         return e.value
     finally:
-        io.release()
+        lock.release()
+        if waiters:
+            io.wake_waiters()
 
 
 DRIVER_CODES.add(run_sync.__code__)

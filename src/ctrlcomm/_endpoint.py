@@ -50,13 +50,13 @@ class IoLock:
     def release(self) -> None:
         self._lock.release()
         if self.waiters:  # (read without the guard: a waiter added meanwhile looks again)
-            self._wake_all()
+            self.wake_waiters()
 
     def nudge(self) -> None:
         """Wake the coroutines waiting (each looks again whether to give up): a collective
         started, which a collective waiting gives up for."""
         if self.waiters:
-            self._wake_all()
+            self.wake_waiters()
 
     def retake(self) -> None:
         """Take the lock back as a call resumes from a wait (another call may hold it a
@@ -74,7 +74,9 @@ class IoLock:
         if exc is not None:
             raise exc
 
-    def _wake_all(self) -> None:
+    def wake_waiters(self) -> None:
+        """Wake the coroutines waiting (:meth:`release`'s second half, also for a caller that
+        released ``_lock`` itself)."""
         with self._guard:  # (emptied in place: the core holds the list, see Core)
             waiters = self.waiters[:]
             self.waiters.clear()

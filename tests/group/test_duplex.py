@@ -314,3 +314,83 @@ def test_a_collective_of_another_thread_is_refused_but_a_recv_is_not():
     res = run_group(collectives_of_two_threads, 2, timeout=60)
     assert res[0] == (2, {"barrier": "refused", "recv": "x"}), res
     assert res[1] == (2, None)
+
+
+def big_sends_beside_a_waiting_recv(g):
+    """Rank 0: a recv task waits (it leads) for what rank 1 sends last, while a send task
+    sends 24 objects of 1 MiB that rank 1 takes only after 0.5 s: the sends wait out the
+    backlog (4 MiB) beside the recv, without its lead. Everything arrives."""
+    import numpy as np
+
+    if g.rank == 1:
+        time.sleep(0.5)
+        sums = [int(g.recv(0, timeout=60).sum()) for _ in range(24)]
+        g.send("last", 0, tag=9)
+        return sums
+
+    async def main():
+        r = asyncio.ensure_future(g.aio.recv(1, tag=9, timeout=60))
+        await asyncio.sleep(0.05)
+        for i in range(24):
+            await g.aio.send(np.full(1 << 17, i, dtype=np.int64), 1, timeout=60)
+        return await r
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(("kwargs", "local"), TRANSPORTS)
+def test_sends_waiting_out_a_backlog_beside_a_waiting_recv(kwargs, local):
+    _local(local)
+    try:
+        res = run_group(big_sends_beside_a_waiting_recv, 2, timeout=120, group_kwargs=kwargs)
+    finally:
+        os.environ.pop("CTRLCOMM_LOCAL_SOCKETS", None)
+    assert res[0] == "last"
+    assert res[1] == [i * (1 << 17) for i in range(24)]
+
+
+def many_receivers(g, n):
+    """Rank 0: three threads (blocking) and three tasks of an event loop in a fourth
+    thread (awaited) each receive ``n`` objects of their own tag from rank 1, all waiting at
+    once, the lead passing between them as they end; rank 1 sends round-robin over the six
+    tags, then they trade a barrier."""
+    if g.rank == 1:
+        for i in range(n):
+            for tag in range(6):
+                g.send((tag, i), 0, tag=tag)
+        g.barrier()
+        return None
+    got = {tag: [] for tag in range(6)}
+
+    def blocking(tag):
+        for _ in range(n):
+            got[tag].append(g.recv(1, tag=tag, timeout=60))
+
+    def awaited():
+        async def one(tag):
+            for _ in range(n):
+                got[tag].append(await g.aio.recv(1, tag=tag, timeout=60))
+
+        async def main():
+            await asyncio.gather(*[one(tag) for tag in range(3, 6)])
+
+        asyncio.run(main())
+
+    ts = [threading.Thread(target=blocking, args=(tag,)) for tag in range(3)]
+    ts.append(threading.Thread(target=awaited))
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    g.barrier()
+    return {tag: v == [(tag, i) for i in range(n)] for tag, v in got.items()}
+
+
+@pytest.mark.parametrize(("kwargs", "local"), TRANSPORTS)
+def test_threads_and_tasks_receiving_at_once_each_get_their_own(kwargs, local):
+    _local(local)
+    try:
+        res = run_group(many_receivers, 2, 2000, timeout=300, group_kwargs=kwargs)
+    finally:
+        os.environ.pop("CTRLCOMM_LOCAL_SOCKETS", None)
+    assert res[0] == {tag: True for tag in range(6)}, res

@@ -57,6 +57,7 @@ RUNNING_LIMIT = 12
 HOLD_HIGH = 256
 HOLD_LOW = 64
 MAX_BACKLOG = 4 * 1024 * 1024
+BACKLOG_LOOK_S = 0.005  # how often a sender that waits out a backlog, not leading, looks again
 RECENT = 64  # calls whose (op, root) are kept to find a mismatch after a call returned
 BYE_TEXT = 2000  # characters of why a group was broken, said to the peers as it closes
 

@@ -18,6 +18,7 @@ from .._errors import (
 from .._lifecycle import BROKEN
 from ._common import (
     _COLL,
+    BACKLOG_LOOK_S,
     HOLD_HIGH,
     HOLD_LOW,
     MAX_BACKLOG,
@@ -228,7 +229,10 @@ class _Mailbox(_Liveness):
                                     f"{self.gone[lost[0]]}", ranks=lost)
             if now >= deadline:
                 raise self._timeout(f"{name} (sending)", seq, t, full)
-            yield from self.pause(lead, min(deadline, suspect_at) - now)
+            delay = min(deadline, suspect_at) - now
+            # (a follower looks again soon: what wakes the leader as a queue drains, if
+            # anything does, is the leader's; ZeroMQ's sends wake nobody)
+            yield from self.pause(lead, delay if lead else min(delay, BACKLOG_LOOK_S))
 
     def _decode(self, m: w.Message, what: str, seq: int | None = None) -> Any:
         try:
