@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 from ._core import (
     DRIVER_CODES,
-    FOLLOW_MAX_S,
     IO_TAKE_S,
     Core,
     Follower,
@@ -307,7 +306,7 @@ async def _follow(io: Any, f: Follower) -> None:
     loop = asyncio.get_running_loop()
     fut = f.fut = loop.create_future()
     f.loop = loop
-    timer = loop.call_later(min(f.delay, FOLLOW_MAX_S), _wake_future, fut)
+    timer = loop.call_later(f.delay, _wake_future, fut)
     io.release()
     try:
         await fut

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ._core import DRIVER_CODES, FOLLOW_MAX_S, Core, Follower, Wait
+from ._core import DRIVER_CODES, Core, Follower, Wait
 
 
 def run_sync(core: Core, gen: Wait, collective: str = "") -> Any:
@@ -32,7 +32,7 @@ def run_sync(core: Core, gen: Wait, collective: str = "") -> Any:
                     ev = delay.event = threading.Event()
                     io.release()
                     try:
-                        ev.wait(min(delay.delay, FOLLOW_MAX_S))
+                        ev.wait(delay.delay)
                     finally:
                         io.retake()
                 else:

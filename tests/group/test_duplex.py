@@ -394,3 +394,38 @@ def test_threads_and_tasks_receiving_at_once_each_get_their_own(kwargs, local):
     finally:
         os.environ.pop("CTRLCOMM_LOCAL_SOCKETS", None)
     assert res[0] == {tag: True for tag in range(6)}, res
+
+
+def recv_left_in_a_closed_loop(g):
+    """Rank 0: an awaited recv of (1, 0) waits (it leads, first in its line) in a loop driven
+    by hand, which is then closed with it pending: it will never resume. A barrier, a
+    thread's blocking recv of (1, 0) and a new loop's awaited recv of (1, 1) then take its
+    lead and its place, and get what rank 1 sends, within a second or so (not at their
+    deadlines)."""
+    if g.rank == 1:
+        g.barrier()
+        g.send("x", 0)
+        g.send("y", 0, tag=1)
+        g.barrier()
+        return None
+    loop = asyncio.new_event_loop()
+    loop.create_task(g.aio.recv(1, timeout=30))
+    loop.run_until_complete(asyncio.sleep(0.1))  # (the recv waits)
+    loop.close()
+    t0 = time.monotonic()
+    g.barrier(timeout=20)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(x=g.recv(1, timeout=20)))
+    t.start()
+    y = asyncio.run(g.aio.recv(1, tag=1, timeout=20))
+    t.join(30)
+    g.barrier(timeout=20)
+    return box.get("x"), y, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_a_recv_left_in_a_closed_loop_does_not_hold_the_others(transport):
+    x, y, took = run_group(recv_left_in_a_closed_loop, 2, timeout=60,
+                           group_kwargs={"transport": transport})[0]
+    assert (x, y) == ("x", "y")
+    assert took < 5, took

@@ -60,7 +60,6 @@ The parts, one responsibility each, bottom to top (each calls only those below i
 """
 
 from ._common import DRIVER_CODES as DRIVER_CODES
-from ._common import FOLLOW_MAX_S as FOLLOW_MAX_S
 from ._common import IO_TAKE_S as IO_TAKE_S
 from ._common import MAX_PAYLOAD as MAX_PAYLOAD
 from ._common import Call as Call

@@ -3,6 +3,7 @@ of its messages' text."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -136,6 +137,7 @@ class Call(NamedTuple):
 
 _monotonic = time.monotonic
 _get_ident = threading.get_ident
+_running_loop = asyncio._get_running_loop  # (None in a blocking call)
 _ploads = w._ploads  # the usual payload is decoded in line (w.loads without its call)
 _NONE_LOST: list[int] = []  # never changed (no rank lost; not waiting for any)
 _first_pass = w.first_pass  # the usual object's encoding (Core._post)
@@ -165,13 +167,19 @@ class PointWait:
     the line of its (src, tag) and what its waits keep (as a collective keeps them on the
     core: Core._wait's ``st``)."""
 
-    __slots__ = ("name", "waiting_for", "_probed", "_looked", "_settle_until")
+    __slots__ = ("name", "waiting_for", "loop", "_probed", "_looked", "_settle_until")
 
     def __init__(self, name: str, waiting_for: list[int]) -> None:
         self.name = name
         self.waiting_for = waiting_for
+        self.loop = _running_loop()  # (an awaited call's: None for a blocking one)
         self._probed = self._looked = False
         self._settle_until = 0.0
+
+    def gone(self) -> bool:
+        """Whether it is an awaited call of an event loop closed with it pending (a loop
+        driven by hand: asyncio.run cancels its tasks): it will never resume."""
+        return self.loop is not None and self.loop.is_closed()
 
 
 @final
@@ -189,15 +197,17 @@ class Follower:
         self.loop: Any = None
         self.fut: Any = None
 
-    def wake(self) -> None:
+    def wake(self) -> bool:
+        """Wake it; False where its loop is closed (nobody waits there any more)."""
         ev = self.event
         if ev is not None:
             ev.set()
         elif self.fut is not None:
             try:
                 self.loop.call_soon_threadsafe(_wake_future, self.fut)
-            except RuntimeError:  # (its loop is closed: nobody waits there)
-                pass
+            except RuntimeError:
+                return False
+        return True
 
 
 def _wake_future(fut: Any) -> None:
@@ -205,9 +215,9 @@ def _wake_future(fut: Any) -> None:
         fut.set_result(None)
 
 
-# The longest a follower sleeps at once (threading's waits refuse an infinite timeout): it
-# looks again and sleeps on
-FOLLOW_MAX_S = 3600.0
+# The longest a follower sleeps at once: it looks again whether the lead's holder can still
+# read for it (Core.lead), and sleeps on
+FOLLOW_LOOK_S = 1.0
 
 
 class Said(NamedTuple):

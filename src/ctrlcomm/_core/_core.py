@@ -46,6 +46,7 @@ from ._common import (
     _monotonic,
     _new,
     _ploads,
+    _running_loop,
     _send_name,
     _undecodable,
 )
@@ -87,10 +88,13 @@ class Core(_Mailbox):
         self._owner = name
         if self._io_waiters:
             self._nudge()  # (an awaited collective of another thread waits for the sockets)
-        # the lead (see the package's docstring), where no point-to-point call has it
-        lead = self._lock.acquire(False)
-        if lead:
+        # the lead (see the package's docstring), where no point-to-point call has it: its
+        # number (self.lead(), in line; 0: none)
+        lead = 0
+        if self._lock.acquire(False):
             self._holder = _get_ident()
+            self._lead_loop = _running_loop()
+            lead = self._lead_n = self._lead_n + 1
         seq = self._cur_seq = self.seq
         self.seq = seq + 1
         self._cur_call = (opcode, root)
@@ -239,7 +243,7 @@ class Core(_Mailbox):
             self.mismatch = None
             self.waiting_for = _NONE_LOST
             self._owner = ""
-            if lead:  # (give_up_lead, in line but for its rare part)
+            if lead and lead == self._lead_n:  # (give_up_lead, in line but its rare part)
                 self._asleep = False
                 self._lock.release()
                 if self._deferred or self._followers:
@@ -359,13 +363,15 @@ class Core(_Mailbox):
             line = lines[key] = [me]
         else:
             line.append(me)
-        lead = self._lock.acquire(False)  # (self.lead(), in line)
-        if lead:
+        lead = 0  # (self.lead(), in line)
+        if self._lock.acquire(False):
             self._holder = _get_ident()
+            self._lead_loop = me.loop
+            lead = self._lead_n = self._lead_n + 1
         x = NO_STEP
         try:
             while True:
-                if line[0] is me:
+                if line[0] is me or self._first_past_gone(line, me):
                     if x.raw:  # taken the short way (what the mailbox held came later)
                         return self._took(x, src, name)
                     q = p2p.get(key)
@@ -376,7 +382,7 @@ class Core(_Mailbox):
                 delay = self._wait([src], deadline, t, name, None, st=me)
                 if not lead:
                     lead = self.lead()
-                if lead:
+                if lead and lead == self._lead_n:
                     if not x.left and line[0] is me:
                         # (first, or the number it waited for came with another tag)
                         x = self._expect(src, tag)
@@ -422,39 +428,44 @@ class Core(_Mailbox):
                                       f"{type(e).__name__}: {e}"[:BYE_TEXT])
             self.brk(e)
 
-    def _recv_ends(self, me: PointWait, key: tuple[int, int], x: Expected, lead: bool
+    def _recv_ends(self, me: PointWait, key: tuple[int, int], x: Expected, lead: int
                    ) -> None:
         """(recv, however it ends.) Out of its line and, leading, out of the lead; a message
-        taken the short way that it did not return goes back first in its queue."""
+        taken the short way that it did not return goes back first in its queue. (Where
+        its loop was closed with it pending, a later call took both over already: _lead_left,
+        _first_past_gone.)"""
         if x is not NO_STEP:
             if self.pstep is x:
                 self.pstep = NO_STEP
                 if self._xr is not None:
                     self._xr.expect = None
-            if x.raw:
-                # taken the short way as the recv ended without it (cancelled, closed...):
-                # the next recv's, first in line, as the mailbox keeps it
-                src, tag = key
-                self._count_p2p(src, x.seq)
-                self.p2p.setdefault(key, deque()).appendleft(_new(w.Message, (
-                    w.P2P, src, self.group_id, x.seq, tag, 0, w.NO_ROOT, _PICKLE,
-                    x.raw.pop(src), ())))
-        line = self._lines[key]
-        first = line[0] is me
-        line.remove(me)
-        if not line:
-            del self._lines[key]
-        elif first:  # the next in line may have its message there already
-            self.wake_followers()
-            if self._asleep and not lead:
-                self.ep.wake()
-        if lead:  # (give_up_lead, in line but for its rare part)
+            if x.raw:  # (taken the short way as the recv ended without it)
+                self._requeue(x)
+        line = self._lines.get(key)
+        if line is not None and me in line:
+            first = line[0] is me
+            line.remove(me)
+            if not line:
+                del self._lines[key]
+            elif first:  # the next in line may have its message there already
+                self.wake_followers()
+                if self._asleep and lead != self._lead_n:
+                    self.ep.wake()
+        if lead and lead == self._lead_n:  # (give_up_lead, in line but its rare part)
             self._asleep = False
             self._lock.release()
             if self._deferred or self._followers:
                 self.after_lead()
         elif self._deferred:  # asked for while this call ran
             self.run_deferred_here()
+
+    def _first_past_gone(self, line: list[PointWait], me: PointWait) -> bool:
+        """(recv, not first in its line.) Whether it is first once the recvs before it that
+        will never resume (awaited, of an event loop closed with them pending) leave the
+        line."""
+        while line[0] is not me and line[0].gone():
+            line.pop(0)
+        return line[0] is me
 
     def send_self(self, obj: Any, tag: int, what: str) -> None:
         """A send to this rank itself (as MPI allows): ``obj`` encoded, for :meth:`recv_self`;

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from .. import _wire as w
@@ -22,11 +22,14 @@ from ._common import (
     HOLD_HIGH,
     HOLD_LOW,
     MAX_BACKLOG,
+    NO_STEP,
     RECENT,
     Said,
     Wait,
+    _get_ident,
     _new,
     _ploads,
+    _running_loop,
     _undecodable,
     describe,
 )
@@ -187,6 +190,66 @@ class _Mailbox(_Liveness):
         if self.p2p_in.get(src, 1) <= seq:
             self.p2p_in[src] = seq + 1
 
+    def _requeue(self, x: Expected) -> None:
+        """The message of ``x`` (a recv's) taken the short way, which its recv did not return
+        (it was cancelled, closed, or its loop closed): counted as the mailbox counts one,
+        and first in its queue, the next recv's."""
+        src, data = x.raw.popitem()
+        self._count_p2p(src, x.seq)
+        self.p2p.setdefault((src, x.round), deque()).appendleft(_new(w.Message, (
+            w.P2P, src, self.group_id, x.seq, x.round, 0, w.NO_ROOT, w.PICKLE, data, ())))
+
+    # ------------------------------------------------------------------------ the lead
+
+    def lead(self) -> int:
+        """(Holding ``io``.) Take the lead (see the package's docstring) where no call has it,
+        or where the call that has it will never resume (an awaited call of an event loop
+        closed with it pending: a loop driven by hand; asyncio.run cancels its tasks): the
+        lead's number, this call's until it ends (give_up_lead); 0 where another call has
+        it."""
+        if not self._lock.acquire(False) and not self._lead_left():
+            return 0
+        self._holder = _get_ident()
+        self._lead_loop = _running_loop()
+        n = self._lead_n = self._lead_n + 1
+        return n
+
+    def _lead_left(self) -> bool:
+        """(lead, finding it held.) Whether its holder's loop is closed: then what that call
+        held is let go (its message taken the short way goes back first in its queue), and
+        the lead, held still, is the caller's."""
+        loop = self._lead_loop
+        if loop is None or not loop.is_closed():
+            return False
+        self._asleep = False
+        x = self.pstep
+        if x is not NO_STEP:
+            if x.raw:
+                self._requeue(x)
+            self.pstep = NO_STEP
+        if self._xr is not None:
+            self._xr.expect = None
+        return True
+
+    def pause(self, lead: int, delay: float) -> Generator[Any, None, None]:
+        """One wait of a call, ``lead``: its lead's number (0: it does not lead). One that
+        does not leads for this wait where none does (a send waiting out a backlog), else
+        follows."""
+        if not lead:
+            n = self.lead()
+            if not n:
+                yield from self.follow(delay)
+                return
+            try:
+                self._asleep = True
+                yield delay
+            finally:
+                self.give_up_lead(n)
+        else:
+            self._asleep = True
+            yield delay
+            self._asleep = False
+
     def _release(self, srcs: Sequence[int]) -> None:
         """One message of each of ``srcs`` left the mailbox."""
         held = self.held
@@ -202,9 +265,9 @@ class _Mailbox(_Liveness):
                 self.ep.resume(src)
 
     def _backpressure(self, dsts: list[int], deadline: float, t: float, name: str,
-                      seq: int | None, lead: bool) -> Wait:
+                      seq: int | None, lead: int) -> Wait:
         """Wait while more than MAX_BACKLOG bytes are queued for any of ``dsts`` (``lead``:
-        whether the call leads)."""
+        the number of the call's lead, 0 where it does not lead)."""
         if self.ep.unflushed:  # a connection still being made, or a kernel buffer was full
             self.pump()
         while True:

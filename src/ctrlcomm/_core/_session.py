@@ -24,6 +24,7 @@ from ._common import (
     ABORT_TAKE_S,
     BYE_TEXT,
     DRIVER_CODES,
+    FOLLOW_LOOK_S,
     IO_TAKE_S,
     Follower,
     _get_ident,
@@ -93,17 +94,12 @@ class _Session(_Sending):
     def collective_in_progress(self) -> bool:
         return bool(self._owner)
 
-    def lead(self) -> bool:
-        """(Holding ``io``.) Take the lead where no call has it: whether this call has it now
-        (it sleeps on the endpoint, and reads it, from now until it ends)."""
-        if self._lock.acquire(False):
-            self._holder = _get_ident()
-            return True
-        return False
-
-    def give_up_lead(self) -> None:
-        """(Holding ``io``, the lead this call's.) The call ends: the lead is free again; the
-        followers are woken (one takes it), and what close() or abort() asked is done."""
+    def give_up_lead(self, n: int) -> None:
+        """(Holding ``io``.) The call that took the lead numbered ``n`` ends: the lead is free
+        again (unless it was taken over: Core.lead); the followers are woken (one takes
+        it), and what close() or abort() asked is done."""
+        if n != self._lead_n:
+            return
         self._asleep = False
         self._lock.release()
         self.after_lead()
@@ -117,34 +113,22 @@ class _Session(_Sending):
     def follow(self, delay: float) -> Generator[Any, None, None]:
         """(A call's wait that does not lead, holding ``io``.) Sleep, for ``delay`` at most,
         until the leader read something or gave up the lead."""
-        f = Follower(delay)
+        f = Follower(min(delay, FOLLOW_LOOK_S))
         followers = self._followers
         followers.append(f)
         try:
             yield f
         finally:
-            followers.remove(f)
-
-    def pause(self, lead: bool, delay: float) -> Generator[Any, None, None]:
-        """One wait of a call, ``lead``: whether it leads. One that does not leads for this
-        wait where none does (a send waiting out a backlog), else follows."""
-        if not lead and self.lead():
             try:
-                self._asleep = True
-                yield delay
-            finally:
-                self.give_up_lead()
-        elif lead:
-            self._asleep = True
-            yield delay
-            self._asleep = False
-        else:
-            yield from self.follow(delay)
+                followers.remove(f)
+            except ValueError:  # (its loop closed meanwhile: wake_followers took it out)
+                pass
 
     def wake_followers(self) -> None:
-        """(Holding ``io``.) Each follower looks again."""
-        for f in self._followers:
-            f.wake()
+        """(Holding ``io``.) Each follower looks again (one of a closed loop is let go)."""
+        followers = self._followers
+        if not all([f.wake() for f in followers]):
+            followers[:] = [f for f in followers if f.loop is None or not f.loop.is_closed()]
 
     # ------------------------------------------------------------------------ lifecycle
 

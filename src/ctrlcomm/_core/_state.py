@@ -119,6 +119,11 @@ class _CoreState:
         # (``_followers``) sleep on their own, woken by the leader after each read.
         self._lock = threading.Lock()
         self._holder = 0  # the thread whose call last took the lead (0: close or abort did)
+        # the lead's number, counted each time it is taken: the call that took it gives it
+        # up only while it is still its own (it is taken over from an awaited call whose
+        # event loop was closed with it pending: Core.lead)
+        self._lead_n = 0
+        self._lead_loop: asyncio.AbstractEventLoop | None = None  # (its awaited holder's)
         self._asleep = False  # whether the leader is in a wait (the endpoint is its)
         self._followers: list[Follower] = []
         # the recvs waiting, in the order they were called, per (src, tag): the first
