@@ -27,6 +27,9 @@ keeps them apart:
   ZeroMQ socket is not to be polled and read from two threads);
 - receives of one (src, tag) stand in line (``_lines``), in the order they were called: only
   the first takes the next message, and only the first names it to the endpoint's short way;
+- an awaited call left pending in an event loop closed by hand never resumes: its lead and
+  its place in line are taken over (``Core.lead``, numbered; followers look at least every
+  FOLLOW_LOOK_S);
 - close() and abort() act at once where no leader sleeps on the endpoint (or it is an
   awaited call suspended in this thread's event loop), else the leader, woken, does it.
 
