@@ -40,7 +40,8 @@ def test_a_close_asked_while_this_thread_sends_an_abort_of_an_idle_group_waits_f
     ep = RecordingEndpoint(close)
     core = Core(name="g", rank=0, size=3, group_id=7, endpoint=ep, codec=w.PICKLE, key=b"k" * 32,
                 timeout=5.0)
-    assert core.lead()  # (a call made and ended in this thread before: it led)
-    core.give_up_lead()
+    n = core.lead()  # (a call made and ended in this thread before: it led)
+    assert n
+    core.give_up_lead(n)
     core.abort("watchdog")
     assert ep.log == [(w.ABORT, 1), (w.ABORT, 2), (w.BYE, 1), (w.BYE, 2), ("closed", None)]
