@@ -161,7 +161,8 @@ class Endpoint(Protocol):
     out during later waits and drains (``backlog`` says how much is queued for a peer). A wait
     returns when something arrived, when :meth:`wake` was called from another thread, or at
     its timeout; the caller then drains. Sockets are used under ``io`` (a re-entrant lock held
-    by the call in progress, released while an awaited call is suspended).
+    by whichever call runs, never across a wait); one call at a time waits on the endpoint
+    (the core's leader: see the core's docstring), and while it waits no other call drains.
     """
 
     STREAM: bool  # True: a StreamEndpoint too
