@@ -21,10 +21,10 @@ from ._core import (
     _get_ident,
     _monotonic,
 )
-from ._core._common import _wake_future
 from ._endpoint import (
     FAIR_S,
     turn_due,
+    wake_future,
 )
 from ._errors import (
     CollectiveTimeoutError,
@@ -306,7 +306,7 @@ async def _follow(io: Any, f: Follower) -> None:
     loop = asyncio.get_running_loop()
     fut = f.fut = loop.create_future()
     f.loop = loop
-    timer = loop.call_later(f.delay, _wake_future, fut)
+    timer = loop.call_later(f.delay, wake_future, fut)
     io.release()
     try:
         await fut

@@ -82,7 +82,7 @@ class IoLock:
             self.waiters.clear()
         for loop, fut in waiters:
             try:
-                loop.call_soon_threadsafe(_wake, fut)
+                loop.call_soon_threadsafe(wake_future, fut)
             except RuntimeError:  # (its loop is closed: nobody waits there)
                 pass
 
@@ -112,7 +112,7 @@ class IoLock:
             if left <= 0:
                 self._forget(loop, fut)
                 return False
-            timer = loop.call_later(left, _wake, fut)
+            timer = loop.call_later(left, wake_future, fut)
             try:
                 await fut
             finally:
@@ -130,7 +130,8 @@ class IoLock:
                 pass
 
 
-def _wake(fut: asyncio.Future[None]) -> None:
+def wake_future(fut: asyncio.Future[None]) -> None:
+    """Complete ``fut`` unless it is done (a waiter woken, from its loop's thread)."""
     if not fut.done():
         fut.set_result(None)
 

@@ -42,6 +42,6 @@ def test_a_close_asked_while_this_thread_sends_an_abort_of_an_idle_group_waits_f
                 timeout=5.0)
     n = core.lead()  # (a call made and ended in this thread before: it led)
     assert n
-    core.give_up_lead(n)
+    core.end_call(n)
     core.abort("watchdog")
     assert ep.log == [(w.ABORT, 1), (w.ABORT, 2), (w.BYE, 1), (w.BYE, 2), ("closed", None)]

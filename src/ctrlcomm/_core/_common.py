@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, final
 
 from .. import _plans
 from .. import _wire as w
-from .._endpoint import Expected
+from .._endpoint import Expected, wake_future
 from .._errors import (
     CodecError,
 )
@@ -204,15 +204,10 @@ class Follower:
             ev.set()
         elif self.fut is not None:
             try:
-                self.loop.call_soon_threadsafe(_wake_future, self.fut)
+                self.loop.call_soon_threadsafe(wake_future, self.fut)
             except RuntimeError:
                 return False
         return True
-
-
-def _wake_future(fut: Any) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 # The longest a follower sleeps at once: it looks again whether the lead's holder can still

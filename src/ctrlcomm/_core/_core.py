@@ -243,7 +243,7 @@ class Core(_Mailbox):
             self.mismatch = None
             self.waiting_for = _NONE_LOST
             self._owner = ""
-            if lead and lead == self._lead_n:  # (give_up_lead, in line but its rare part)
+            if lead and lead == self._lead_n:  # (self.end_call(lead), in line)
                 self._asleep = False
                 self._lock.release()
                 if self._deferred or self._followers:
@@ -451,13 +451,7 @@ class Core(_Mailbox):
                 self.wake_followers()
                 if self._asleep and lead != self._lead_n:
                     self.ep.wake()
-        if lead and lead == self._lead_n:  # (give_up_lead, in line but its rare part)
-            self._asleep = False
-            self._lock.release()
-            if self._deferred or self._followers:
-                self.after_lead()
-        elif self._deferred:  # asked for while this call ran
-            self.run_deferred_here()
+        self.end_call(lead)
 
     def _first_past_gone(self, line: list[PointWait], me: PointWait) -> bool:
         """(recv, not first in its line.) Whether it is first once the recvs before it that

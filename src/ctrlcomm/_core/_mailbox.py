@@ -205,7 +205,7 @@ class _Mailbox(_Liveness):
         """(Holding ``io``.) Take the lead (see the package's docstring) where no call has it,
         or where the call that has it will never resume (an awaited call of an event loop
         closed with it pending: a loop driven by hand; asyncio.run cancels its tasks): the
-        lead's number, this call's until it ends (give_up_lead); 0 where another call has
+        lead's number, this call's until it ends (end_call); 0 where another call has
         it."""
         if not self._lock.acquire(False) and not self._lead_left():
             return 0
@@ -244,7 +244,7 @@ class _Mailbox(_Liveness):
                 self._asleep = True
                 yield delay
             finally:
-                self.give_up_lead(n)
+                self.end_call(n)
         else:
             self._asleep = True
             yield delay

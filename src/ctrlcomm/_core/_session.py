@@ -94,18 +94,20 @@ class _Session(_Sending):
     def collective_in_progress(self) -> bool:
         return bool(self._owner)
 
-    def give_up_lead(self, n: int) -> None:
-        """(Holding ``io``.) The call that took the lead numbered ``n`` ends: the lead is free
-        again (unless it was taken over: Core.lead); the followers are woken (one takes
-        it), and what close() or abort() asked is done."""
-        if n != self._lead_n:
-            return
-        self._asleep = False
-        self._lock.release()
-        self.after_lead()
+    def end_call(self, lead: int) -> None:
+        """(Holding ``io``.) A call, or its wait, ends; ``lead``: the number of the lead it
+        took (0: none). The lead is free again (unless it was taken over: Core.lead), the
+        followers woken (one takes it); what close() or abort() asked meanwhile is done."""
+        if lead and lead == self._lead_n:
+            self._asleep = False
+            self._lock.release()
+            if self._deferred or self._followers:
+                self.after_lead()
+        elif self._deferred:
+            self.run_deferred_here()
 
     def after_lead(self) -> None:
-        """(give_up_lead, the lead released.)"""
+        """(end_call, the lead released.)"""
         if self._deferred:
             self.run_deferred_here()
         self.wake_followers()

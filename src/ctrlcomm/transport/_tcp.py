@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .. import _wire as w
-from .._endpoint import COPY_THRESHOLD, FAIR_S, Expected, IoLock, turn_due
+from .._endpoint import COPY_THRESHOLD, FAIR_S, Expected, IoLock, turn_due, wake_future
 from .._errors import StoreError, WireError
 from ._base import SETTLE_ROUNDS, _Bell, _let_go, _take_back, _unheld
 from ._net import (
@@ -883,7 +883,7 @@ class TcpEndpoint:
             # handler) looks again: woken through its loop's own wake-up, which a plain
             # set_result is not (the loop slept on in its selector until its next timer)
             try:
-                fut.get_loop().call_soon_threadsafe(_wake_waiter, fut)
+                fut.get_loop().call_soon_threadsafe(wake_future, fut)
             except RuntimeError:  # its loop is closed (the task will never run again)
                 pass
         handed = self._unwatch(closing=True)  # (the loop's thread closes the epoll then)
@@ -906,11 +906,6 @@ class TcpEndpoint:
             # messages (for at most LINGER_MS), as ZeroMQ's context termination does
             threading.Thread(target=_linger, args=(left,), daemon=False,
                              name="ctrlcomm-linger").start()
-
-
-def _wake_waiter(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _unix_listener() -> tuple[socket.socket, str] | None:
