@@ -30,6 +30,10 @@ from . import _wire as w
 COPY_THRESHOLD = 65536
 FAIR_S = 0.005  # awaited waits skip the event loop for at most this long in a row
 
+# What an endpoint tells ``on_lost`` of a same-host peer whose process it saw exit (its
+# process descriptor): the core waits a moment for what the peer sent last (see Core._lost)
+PROCESS_EXITED = "its process exited"
+
 Sink = Callable[[w.Message | None], "int | None"]
 LostCallback = Callable[[int, str, bool], None]
 
@@ -168,7 +172,7 @@ class Endpoint(Protocol):
 
     STREAM: bool  # True: a StreamEndpoint too
     EXPRESS: bool  # True: an ExpressEndpoint too
-    kind: str  # the transport's name ("tcp", "zmq"), as Group.stats() reports it
+    kind: str  # the transport's name ("shm", "tcp", "zmq"), as Group.stats() reports it
     dropped: dict[str, int]  # messages dropped before the core saw them, by reason
     address: str  # where peers reach this rank ("tcp://host:port")
     closed: bool
@@ -229,6 +233,10 @@ class Endpoint(Protocol):
 
     def wake(self) -> None:
         """End a wait in progress, from any thread."""
+
+    def watch(self, procs: dict[int, tuple[int, int]]) -> None:
+        """Tell ``on_lost`` (with PROCESS_EXITED) as soon as one of these same-host peers'
+        processes exits: ``{rank: (pid, start time)}``."""
 
     def close(self, gone: Collection[int] = ()) -> None:
         """Close the sockets, after a bounded linger for what is queued (not to ``gone``)."""

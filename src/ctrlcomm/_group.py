@@ -70,6 +70,7 @@ from .transport._net import (
     same_host_procs,
     warn_if_unkeyed,
 )
+from .transport._shm import spin_budget
 from .transport._tcp import BEFORE_EXIT_FLUSH
 
 CODECS = {"pickle": w.PICKLE, "msgpack": w.MSGPACK}
@@ -218,10 +219,11 @@ def _formation_settings(name: Any, timeout: Any, transport: Any, codec: Any, por
         env = os.environ.get("CTRLCOMM_TRANSPORT") or None
         if env is not None and env not in TRANSPORTS:
             raise InvalidArgumentError(f"CTRLCOMM_TRANSPORT={env!r} names no transport; "
-                                       "use 'tcp' or 'zmq'")
-        transport = "zmq" if encrypt else (env or "tcp")
+                                       "use 'shm', 'tcp' or 'zmq'")
+        transport = "zmq" if encrypt else (env or "shm")
     if transport not in TRANSPORTS:
-        raise InvalidArgumentError(f"unknown transport {transport!r}; use 'tcp' or 'zmq'")
+        raise InvalidArgumentError(f"unknown transport {transport!r}; use 'shm', 'tcp' or "
+                                   "'zmq'")
     if codec not in CODECS:
         raise InvalidArgumentError(f"unknown codec {codec!r}; use one of {sorted(CODECS)}")
     port = port_arg(port)
@@ -295,11 +297,14 @@ def _form_core(j: _Joining, liveness_timeout: float | None) -> Core:
     mac_key = _group_key(secret, gid, j.key)
     hb.group_id, hb.key = gid, mac_key
     procs = {r: p[0] for r, a in records.items() if (p := a.named("proc"))}
+    here = same_host_procs(procs, proc_address())
     hb.start({r: (_host_of(peers[r]), a.udp_port) for r, a in records.items() if r != j.rank},
-             same_host_procs(procs, proc_address()))
-    return Core(name=name, rank=j.rank, size=j.world_size, group_id=gid, endpoint=ep,
+             here)
+    core = Core(name=name, rank=j.rank, size=j.world_size, group_id=gid, endpoint=ep,
                 codec=CODECS[j.codec], key=mac_key, timeout=j.timeout, heartbeat=hb,
                 liveness_timeout=liveness_timeout)
+    ep.watch(here)  # (once the core takes what it tells)
+    return core
 
 
 def _address_record(j: _Joining) -> str:
@@ -414,6 +419,7 @@ class Group:
         liveness_timeout: float | None = LIVENESS_TIMEOUT_S,
         encrypt: bool = False,
         store_limits: StoreLimits | None = None,
+        spin_us: float | None = None,
         _deadline: float | None = None,
     ) -> Group:
         """Form a group through the store at ``(host, port)``.
@@ -439,12 +445,14 @@ class Group:
                 with one, the store and formation are too (a stranger cannot join in a
                 rank's place, nor learn the secret by reading the network as the group
                 forms). See the README's threat model.
-            transport: ``"tcp"`` (default without ``encrypt``: plain sockets, lowest
-                latency) or ``"zmq"`` (ZeroMQ PUSH/PULL sockets; the default with
-                ``encrypt``); ``None``: ``CTRLCOMM_TRANSPORT`` where it is set, which also
-                reaches groups made for you (``StatelessProcessGroup``...). A send on "tcp"
-                with more than 4 MiB queued for a peer returns once that peer has taken all
-                but 4 MiB (the sender's process writes it); on "zmq" it returns at once
+            transport: ``"shm"`` (default without ``encrypt``: shared memory to the ranks
+                of this host, user and IPC namespace, handed over on a Unix socket, and
+                plain TCP sockets to the others, lowest latency), ``"tcp"`` (sockets only)
+                or ``"zmq"`` (ZeroMQ PUSH/PULL sockets; the default with ``encrypt``);
+                ``None``: ``CTRLCOMM_TRANSPORT`` where it is set, which also reaches groups
+                made for you (``StatelessProcessGroup``...). A send on "shm" or "tcp" with
+                more than 4 MiB queued for a peer returns once that peer has taken all but
+                4 MiB (the sender's process writes it); on "zmq" it returns at once
                 (ZeroMQ's I/O thread writes it).
             zmq_context: with ``transport="zmq"``, the ZeroMQ context to make sockets from.
             heartbeat_interval: seconds between this rank's heartbeats to its peers.
@@ -468,6 +476,11 @@ class Group:
                 rank and beat number only).
             store_limits: what the store this rank hosts takes at most
                 (:class:`StoreLimits`; default ``StoreLimits()``).
+            spin_us: with ``"shm"``, how long a wait for a same-host peer looks at the
+                shared memory before it sleeps in the kernel, in microseconds (default 50,
+                or ``CTRLCOMM_SPIN_US``; 0: never). It spins only where every rank of this
+                host has a CPU, yields the CPU (and the GIL) between looks, and stops
+                spinning for a peer that keeps coming later than that.
 
         Raises:
             InvalidArgumentError: bad rank, world size, name, timeout, codec or
@@ -490,6 +503,10 @@ class Group:
         if live is not None and not live > 0:
             raise InvalidArgumentError(f"liveness_timeout must be > 0 or None, got "
                                        f"{show(liveness_timeout)}")
+        try:
+            spin = spin_budget(spin_us)
+        except ValueError as e:
+            raise InvalidArgumentError(f"Group.create: {e}") from None
         beat = _seconds(heartbeat_interval)
         if not beat > 0:
             raise InvalidArgumentError(f"heartbeat_interval must be > 0, got "
@@ -527,7 +544,8 @@ class Group:
                 bind_host = store_address if _wildcard(store_address) \
                     else local_address_for(store_address, port)
             warn_if_unkeyed(f"group {name!r}", bind_host, key)
-            ep = make_endpoint(transport, bind_host, zmq_context=zmq_context, encrypt=encrypt)
+            ep = make_endpoint(transport, bind_host, zmq_context=zmq_context, encrypt=encrypt,
+                               spin_us=spin * 1e6)
             hb = Heartbeat(bind_host, 0, rank, None, beat)
             core = _form_core(_Joining(store, server, store_address, port, bind_host, ep, hb, rank,
                                   world_size, name, codec, transport, key, t, deadline,

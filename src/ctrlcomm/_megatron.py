@@ -52,8 +52,8 @@ class AsyncZMQCommunicator:
             form the ctrlcomm group.
         hostname: address the leader (the group's first rank) binds its store to.
         timeout: default deadline of every call, in seconds.
-        transport: ``"tcp"`` or ``"zmq"``; ``None``: ``CTRLCOMM_TRANSPORT`` where it
-            is set, else ``"tcp"``.
+        transport: ``"shm"``, ``"tcp"`` or ``"zmq"`` (see ``Group.create``); ``None``:
+            ``CTRLCOMM_TRANSPORT`` where it is set, else ``"shm"``.
     """
 
     def __init__(self, zmq_context: Any, process_group: Any = None,

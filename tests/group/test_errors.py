@@ -2148,7 +2148,7 @@ def test_a_stale_address_table_times_out_as_a_timeout():
             f = "ctrlcomm:formation/"
             # (a rank 0 that joined, published and was gone: its client, joined)
             c.set_if_absent(f + "rank/0",
-                            f"tcp://127.0.0.1:9 9 ws:2 codec:pickle tr:tcp wire:{_wire.VERSION}")
+                            f"tcp://127.0.0.1:9 9 ws:2 codec:pickle tr:shm wire:{_wire.VERSION}")
             c.set(f + "table", "00ff\ntcp://127.0.0.1:9 9\ntcp://127.0.0.1:10 10")
             with pytest.raises(ctrlcomm.FormationTimeoutError, match="does not hold this rank's"):
                 ctrlcomm.Group.create("127.0.0.1", srv.port, 1, 2, name="stale", timeout=1.5,

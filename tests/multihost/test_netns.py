@@ -278,3 +278,38 @@ def test_from_torch_with_a_leader_on_every_interface_across_hosts(net):
             if p.poll() is None:
                 p.kill()  # by pid: only processes this test started
             p.wait(10)
+
+
+def test_a_group_of_two_hosts_of_two_ranks_mixes_shared_memory_and_tcp(net):
+    """Ranks of one host send through shared memory, to the other host's over TCP; the
+    results are those of any group."""
+    port = 29713
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    store = subprocess.Popen(
+        ["ip", "netns", "exec", HOSTS[0], sys.executable, "-m", "ctrlcomm", "store",
+         "--host", ADDR[0], "--port", str(port)], stdout=subprocess.PIPE, text=True, env=env)
+    ranks = []
+    try:
+        store.stdout.readline()
+        ranks = [subprocess.Popen(
+            ["ip", "netns", "exec", HOSTS[r // 2], sys.executable,
+             str(RANK.with_name("shm_rank.py")), ADDR[0], str(port), str(r), "4"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for r in range(4)]
+        outs = []
+        for p in ranks:
+            line, err = p.communicate(timeout=60)
+            assert line.strip(), err
+            outs.append(json.loads(line))
+    finally:
+        for p in [*ranks, store]:
+            if p.poll() is None:
+                p.kill()  # by pid: only processes this test started
+            p.wait(10)
+            p.stdout.close()
+    for r, out in enumerate(outs):
+        assert out["gather"] == [0, 1, 2, 3] and out["sum"] == 6
+        assert out["a2a"] == [s * 10 + r for s in range(4)]
+        assert out["bcast"] == 3 << 20 and out["p2p"] == (r - 1) % 4
+        assert out["kind"] == "shm"
+        assert out["rings"] == [r ^ 1], out  # (its host's other rank; the others over TCP)

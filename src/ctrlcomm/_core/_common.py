@@ -27,6 +27,7 @@ FIRST_PROBE = 1.0
 # A peer that closed the connection we send on is declared lost after this many seconds
 # unless its goodbye (or the end of the stream it sends on) explains it first.
 SUSPECT_GRACE = 1.0
+EXIT_GRACE = 0.05  # a same-host peer seen to exit is gone this long after (Core._lost)
 # A send that does not wait (a point-to-point send, a collective's step that only sends: a
 # broadcast's root, a gather's leaf) reads what has come in at most this often, and looks
 # whether a destination is lost: a peer's goodbye, abort or end of stream, which a wait would

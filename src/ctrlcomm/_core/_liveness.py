@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _wire as w
+from .._endpoint import PROCESS_EXITED
 from .._errors import (
     CollectiveTimeoutError,
     MismatchTimeoutError,
@@ -16,6 +17,7 @@ from .._errors import (
 )
 from ._common import (
     _NONE_LOST,
+    EXIT_GRACE,
     FIRST_PROBE,
     LOOK_S,
     PROBE_GRACE,
@@ -40,6 +42,14 @@ class _Liveness(_Mismatch):
     a loss, a timeout, the next probe."""
 
     def _lost(self, rank: int, why: str, certain: bool) -> None:
+        if why == PROCESS_EXITED:
+            # seen on this host as it exited: what it sent last may be on its way still
+            # (ZeroMQ's I/O thread), so it is gone EXIT_GRACE from now; a goodbye read
+            # meanwhile, or as the call settles, says better why (a guess, as a silence is)
+            until = min(self.suspects.get(rank, (math.inf, ""))[0],
+                        time.monotonic() + EXIT_GRACE)
+            self.suspects[rank] = (until, "is gone (its process exited)")
+            return
         text = f"is gone ({why}; its process died or exited without close())"
         if certain:
             # a goodbye that arrived before the connection closed is the better explanation

@@ -56,7 +56,7 @@ def _size(text: str) -> int:
 # was given can be told from what was not)
 BENCH_DEFAULTS: dict[str, Any] = {
     "ops": ",".join(DEFAULT_OPS),
-    "sizes": [8], "iters": 1000, "warmup": 100, "repeat": 1, "transport": "tcp"}
+    "sizes": [8], "iters": 1000, "warmup": 100, "repeat": 1, "transport": "shm"}
 RUN_OPTIONS = {"n": "-n", "ops": "--ops", "sizes": "--sizes", "iters": "--iters",
                "warmup": "--warmup", "repeat": "--repeat", "aio": "--aio",
                "against": "--against", "transport": "--transport", "host": "--host",
@@ -427,7 +427,7 @@ def add_bench_parser(sub: Any) -> None:
     bp.add_argument("--plot", help="write a plot (PNG unless the name says another type "
                                    "matplotlib writes; needs matplotlib)")
     bp.add_argument("--from-json", help="show the table (and --plot) of a saved run; run nothing")
-    bp.add_argument("--transport", choices=["tcp", "zmq"], help="ctrlcomm's (default tcp)")
+    bp.add_argument("--transport", choices=["shm", "tcp", "zmq"], help="ctrlcomm's (default shm)")
     bp.add_argument("--json", help="write results to this file")
     bp.add_argument("--host", help="multi-host run: the address rank 0 serves the store on")
     bp.add_argument("--port", type=_port_from(1), help="multi-host run: the store's port")

@@ -142,7 +142,7 @@ def system_ctrlcomm(rank: int, n: int, cfg: dict[str, Any], progress: Callable[[
     plan = op_sizes(cfg["ops"], cfg["sizes"])
     with Group.create(cfg["host"], cfg["port"], rank, n, name=f"bench{cfg['tag']}",
                       host_store=cfg["host_store"] and rank == 0, timeout=120,
-                      transport=cfg.get("transport", "tcp"), **group_kwargs) as g:
+                      transport=cfg.get("transport", "shm"), **group_kwargs) as g:
         if aio:
             return asyncio.run(_measure_async(_ctrlcomm_calls(g, g.aio, rank, n), g.aio.barrier,
                                               plan, rank, cfg["iters"], cfg["warmup"], progress))
@@ -683,7 +683,7 @@ def read_run(path: str) -> tuple[list[dict[str, Any]], dict[str, Any],
 
 # environment variables that change what ctrlcomm runs (recorded with a run: see record_host;
 # the key's value never, only that one is set: it makes every message carry a MAC)
-CHOICE_ENV = ("CTRLCOMM_ALGO", "CTRLCOMM_SMALL_WORLD", "CTRLCOMM_LOCAL_SOCKETS",
+CHOICE_ENV = ("CTRLCOMM_ALGO", "CTRLCOMM_SMALL_WORLD", "CTRLCOMM_LOCAL_SOCKETS", "CTRLCOMM_SPIN_US",
               "CTRLCOMM_LIVENESS_TIMEOUT", "CTRLCOMM_AUTH_KEY")
 
 

@@ -91,5 +91,8 @@ class StandInEndpoint:
     def wake(self) -> None:
         pass
 
+    def watch(self, procs: dict[int, tuple[int, int]]) -> None:
+        pass
+
     def close(self, gone: Collection[int] = ()) -> None:
         self.closed = True

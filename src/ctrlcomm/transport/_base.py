@@ -4,9 +4,12 @@ of an endpoint's ``io`` lock while an awaited call is suspended in a wait."""
 from __future__ import annotations
 
 import os
+import select
 import threading
 from collections.abc import Awaitable
 from typing import Any
+
+from ._net import _proc_stat
 
 
 class _Bell:
@@ -73,3 +76,57 @@ def _take_back(ep: Any) -> None:
 
 
 SETTLE_ROUNDS = 8  # drains of a settle (see TcpEndpoint.settle): accept, identify, read
+
+
+class PidWatch:
+    """Same-host peers' processes, watched through process descriptors (``pidfd_open``): one
+    epoll descriptor (:attr:`fd`) that an endpoint waits on with its sockets, readable as soon
+    as a peer's process exits, kill -9 included, whatever the transport (ZeroMQ hides a
+    closed connection; a TCP peer this rank never connected to tells nothing)."""
+
+    def __init__(self, procs: dict[int, tuple[int, int]]) -> None:
+        """``procs``: ``{rank: (pid, start time)}`` (``_net.same_host_procs``)."""
+        self.ep = select.epoll()
+        self.fd = self.ep.fileno()
+        self.ranks: dict[int, int] = {}  # by pidfd
+        self.gone: list[int] = []  # ranks whose process had exited before it was watched
+        for rank, (pid, start) in procs.items():
+            try:
+                pfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.gone.append(rank)
+                continue
+            except (OSError, AttributeError):  # (no pidfds here: heartbeats tell)
+                continue
+            if _start_time(pid) != start:  # the pid is a later process's: the peer's exited
+                os.close(pfd)
+                self.gone.append(rank)
+                continue
+            self.ep.register(pfd, select.EPOLLIN)
+            self.ranks[pfd] = rank
+
+    def exited(self) -> list[int]:
+        """The ranks whose process exited since last asked (each told once)."""
+        out, self.gone = self.gone, []
+        if self.ranks:
+            for pfd, _ in self.ep.poll(0):
+                rank = self.ranks.pop(pfd, None)
+                if rank is not None:
+                    self.ep.unregister(pfd)
+                    os.close(pfd)
+                    out.append(rank)
+        return out
+
+    def close(self) -> None:
+        for pfd in self.ranks:
+            os.close(pfd)
+        self.ranks = {}
+        self.ep.close()
+
+
+def _start_time(pid: int) -> int:
+    """``pid``'s start time (as ``_net.proc_address`` gives it), or -1 where it has none."""
+    try:
+        return int(_proc_stat(f"/proc/{pid}/stat")[19])
+    except (OSError, ValueError, IndexError):
+        return -1

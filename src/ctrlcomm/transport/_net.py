@@ -436,6 +436,15 @@ def host_id() -> str:
 _host_id: str | None = None
 
 
+def ipc_id() -> str:
+    """This process's IPC namespace, where it has one to name (``transport="shm"``: ranks
+    of one host share memory within one, as a user of the host would expect)."""
+    try:
+        return str(os.stat("/proc/self/ns/ipc").st_ino)
+    except OSError:
+        return ""
+
+
 def _proc_stat(path: str) -> list[bytes]:
     """The fields of a ``/proc/.../stat`` file after the command name: state first, then
     ppid..., the start time at index 19 (raises OSError, ValueError)."""

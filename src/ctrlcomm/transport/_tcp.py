@@ -19,9 +19,9 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .. import _wire as w
-from .._endpoint import COPY_THRESHOLD, FAIR_S, Expected, IoLock, turn_due, wake_future
+from .._endpoint import COPY_THRESHOLD, FAIR_S, PROCESS_EXITED, Expected, IoLock, turn_due, wake_future
 from .._errors import StoreError, WireError
-from ._base import SETTLE_ROUNDS, _Bell, _let_go, _take_back, _unheld
+from ._base import SETTLE_ROUNDS, PidWatch, _Bell, _let_go, _take_back, _unheld
 from ._net import (
     LINGER_MS,
     MAX_POLL_S,
@@ -31,17 +31,24 @@ from ._net import (
     _parse_tcp,
     _tcp,
     host_id,
+    ipc_id,
     use_local_sockets,
 )
+from ._shm import HANDOVER, Ring, recv_fds, ring_size, send_fds, spin_budget
 
 
 class _Conn:
     __slots__ = ("sock", "fd", "inbound", "rank", "decoder", "pending", "connecting", "events",
-                 "backlog", "paused", "rsize")
+                 "backlog", "paused", "rsize", "io", "ring", "fresh")
 
     def __init__(self, sock: socket.socket, inbound: bool, rank: int | None) -> None:
         self.sock = sock
         self.fd = sock.fileno()
+        # where the stream's bytes go (send, sendmsg) or come from (recv_into): the socket,
+        # or a same-host peer's shared ring (self.ring), the socket then telling only its end
+        self.io: socket.socket | Ring = sock
+        self.ring: Ring | None = None
+        self.fresh = False  # accepted on the Unix socket, its first byte not read (_handover)
         self.inbound = inbound
         self.rank = rank
         self.decoder = w.StreamDecoder() if inbound else None
@@ -71,6 +78,11 @@ PENDING_OVERHEAD = 128  # bytes a queued buffer costs beyond its data (object he
 ACCEPT_BATCH = 32  # connections accepted per drain
 UNIDENTIFIED_MAX = 64 * 1024  # the largest message a connection takes before it is identified
 READ_BUDGET = 8 * 1024 * 1024  # per connection per drain, so one flooding peer cannot starve
+# A writer waiting for room in a ring looks for it this often, should the reader have missed
+# its ask (see Ring._ask: rare, a race in the instant both look)
+ROOM_LOOK_S = 0.01
+PUSH_LOOK_S = 0.05  # how often the pusher thread looks at what is queued (see _pusher)
+SPIN_MISSES, SPIN_PROBE = 3, 32  # see TcpEndpoint._spin_for
 
 
 def _frozen(parts: list[Any]) -> list[Any]:
@@ -89,6 +101,12 @@ class TcpEndpoint:
     of this user may connect there (checked with ``SO_PEERCRED``); the framing and MAC are the
     same. When a rank uses them: :func:`use_local_sockets`; ``CTRLCOMM_LOCAL_SOCKETS=1``
     always, ``0`` never (not even listening).
+
+    With ``shm`` (``transport="shm"``, the default) a peer of the same host, user and IPC
+    namespace is sent to through a shared ring (:mod:`._shm`) handed over on that Unix
+    connection, whatever the CPUs: the stream, its framing and MAC, are the same, read from
+    the ring instead of the socket (one read path). A wait spins on the rings for up to
+    ``spin_us`` microseconds first where each rank of the host has a CPU (see :meth:`wait`).
     """
 
 
@@ -97,7 +115,8 @@ class TcpEndpoint:
     kind = "tcp"
 
     def __init__(self, bind_host: str, *, on_lost: Callable[[int, str, bool], None] | None = None,
-                 max_inbound: int = 256) -> None:
+                 max_inbound: int = 256, shm: bool = False, spin_us: float | None = None
+                 ) -> None:
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         ls = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -116,7 +135,17 @@ class TcpEndpoint:
         # where peers on this host may connect instead ("unix:NAME@HOSTID"), or ""
         self.local_address = ""
         self.usock: socket.socket | None = None
-        self._local_mode = _local_mode()
+        self._local_mode = "1" if shm else _local_mode()
+        self.shm = shm
+        if shm:
+            self.kind = "shm"
+        # peers sent to through a shared ring (see set_peers), and the rings read from
+        self.ring_peers: set[int] = set()
+        self.rings_in: list[Ring] = []
+        self.rings_waiting: set[_Conn] = set()  # outbound ones waiting for room
+        self.spin_max = spin_budget(spin_us)  # seconds (see wait)
+        self.spin = 0.0  # this wait's budget: spin_max where the host has a CPU per rank
+        self.spun = 0  # waits whose spin found nothing, in a row (the budget shrinks)
         if self._local_mode != "0" and host_id():
             made = _unix_listener()
             if made is not None:
@@ -130,9 +159,11 @@ class TcpEndpoint:
         self.bell = _Bell()
         self.ep.register(self.bell.fd, select.EPOLLIN)
         self.io, self.held_async = IoLock(), False  # see Core._abort_suspended
-        # the descriptors that are not connections: the listeners, and the bell
+        # the descriptors that are not connections: the listeners, the bell, and the
+        # same-host peers' processes (see watch)
         self._lfds = (ls.fileno(), self.usock.fileno() if self.usock is not None else -2,
-                      self.bell.fd)
+                      self.bell.fd, -2)
+        self.pids: PidWatch | None = None
         self.fd = self.ep.fileno()
         self.peers: dict[int, str] = {}
         self.conns: dict[int, _Conn] = {}  # by fd
@@ -158,6 +189,8 @@ class TcpEndpoint:
         self._one = bytearray(1)  # (what an outbound connection's read takes: see _outbound)
         self._t0 = 0.0  # when a drain's first full chunk was read (a flood: see _read)
         self.unflushed: set[_Conn] = set()  # connections with queued data (or connecting)
+        # whether a pusher thread runs (see _pusher), under its lock
+        self._pushing, self._push_lock = False, threading.Lock()
         self._ready: list[tuple[int, int]] | None = None  # events seen by wait()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching self.fd
         self._waiter: asyncio.Future[None] | None = None
@@ -181,8 +214,12 @@ class TcpEndpoint:
         self.sink, self.on_lost, self.key, self.me = sink, on_lost, key, me
 
     def published(self) -> list[str]:
-        """This rank's Unix socket ("unix:name@host"), where it has one."""
-        return [self.local_address] if self.local_address else []
+        """This rank's Unix socket ("unix:name@host"), where it has one, and with ``shm``
+        its IPC namespace ("ipc:id": peers with another do not share memory with it)."""
+        out = [self.local_address] if self.local_address else []
+        if self.shm and self.local_address and ipc_id():
+            out.append(f"ipc:{ipc_id()}")
+        return out
 
     def set_peers(self, peers: dict[int, str], fields: dict[int, list[str]] | None = None
                   ) -> None:
@@ -203,6 +240,28 @@ class TcpEndpoint:
             self.spare_cpu = here == len(peers) and here <= cpus
             if self._local_mode == "auto" and not use_local_sockets(here, cpus):
                 self.local_peers = {}  # this rank connects over TCP (it still accepts both)
+            if self.shm and ipc_id():
+                mine = f"ipc:{ipc_id()}"
+                self.ring_peers = {r for r in self.local_peers if mine in (fields or {})[r]}
+                # a spin pays where every rank of this host has a CPU to spin on: else it
+                # holds the CPU that the rank it waits for needs (benchmarks/README.md)
+                self.spin = self.spin_max if here <= cpus else 0.0
+
+    def watch(self, procs: dict[int, tuple[int, int]]) -> None:
+        """Tell the core at once when a same-host peer's process exits (``procs``: their
+        ``(pid, start time)``): a peer this rank has no connection with says nothing else."""
+        if not procs or self.closed:
+            return
+        self.pids = PidWatch(procs)
+        self.ep.register(self.pids.fd, select.EPOLLIN)
+        self._lfds = (*self._lfds[:3], self.pids.fd)
+        self._exits()
+
+    def _exits(self) -> None:
+        pids, lost = self.pids, self.on_lost
+        if pids is not None and lost is not None:
+            for rank in pids.exited():
+                lost(rank, PROCESS_EXITED, True)
 
     def _count(self, why: str) -> None:
         self.dropped[why] = self.dropped.get(why, 0) + 1
@@ -212,11 +271,41 @@ class TcpEndpoint:
     def _register(self, c: _Conn, events: int) -> None:
         """Set the epoll events of ``c`` (-1 in ``c.events``: not registered yet)."""
         if c.events != events:
-            if c.events == -1:
+            if c.ring is not None:
+                self._register_ring(c, events)
+            elif c.events == -1:
                 self.ep.register(c.fd, events)
             else:
                 self.ep.modify(c.fd, events)
             c.events = events
+
+    def _register_ring(self, c: _Conn, events: int) -> None:
+        """(_register.) ``events`` as they would be for a socket, on a ring's connection: its
+        socket tells only its end (read while the ring is, or, outbound, always); the
+        ring's eventfd its data (inbound, read) or room (outbound, asked for: EPOLLOUT)."""
+        ring: Ring = c.ring  # type: ignore[assignment]
+        if c.inbound:
+            sock_ev = ring_ev = events & select.EPOLLIN
+            if ring_ev:  # (a paused one is not spun on: the drain would not read it)
+                if ring not in self.rings_in:
+                    self.rings_in.append(ring)
+                if ring.ready():  # (its wake-up taken meanwhile: see _ring_event)
+                    os.eventfd_write(ring.data_fd, 1)
+            elif ring in self.rings_in:
+                self.rings_in.remove(ring)
+        else:
+            sock_ev = select.EPOLLIN
+            ring_ev = select.EPOLLIN if events & select.EPOLLOUT else 0
+            if not ring_ev:
+                self.rings_waiting.discard(c)
+            else:  # (the ring, full, asked its reader for room: Ring.sendmsg)
+                self.rings_waiting.add(c)
+        if c.events == -1:
+            self.ep.register(c.fd, sock_ev)
+            self.ep.register(ring.fd, ring_ev)
+        else:
+            self.ep.modify(c.fd, sock_ev)
+            self.ep.modify(ring.fd, ring_ev)
 
     def _connect(self, dst: int) -> _Conn:
         s = None
@@ -230,6 +319,8 @@ class TcpEndpoint:
             if s.connect_ex("\0" + name) != 0:
                 s.close()
                 s = None
+            elif dst in self.ring_peers:
+                return self._connect_ring(dst, s)
         if s is None:
             family, addr = _parse_tcp(self.peers[dst])
             s = socket.socket(family, socket.SOCK_STREAM)
@@ -257,6 +348,33 @@ class TcpEndpoint:
                 self._queue(c, [hello], max(n, 0))
             else:
                 self.direct[dst] = c
+        return c
+
+    def _connect_ring(self, dst: int, s: socket.socket) -> _Conn:
+        """(_connect.) A ring for ``dst``, handed over on ``s``, a Unix connection made to it;
+        the hello the ring's first bytes."""
+        c = _Conn(s, inbound=False, rank=dst)
+        self.conns[c.fd] = c
+        self.out[dst] = c
+        try:
+            ring = Ring.create(ring_size(len(self.ring_peers)))
+        except OSError as e:  # (out of memory or descriptors)
+            self._lose(c, f"cannot make a shared ring for it: {e.strerror or e}")
+            return c
+        c.ring = c.io = ring
+        self.conns[ring.fd] = c
+        self._register(c, select.EPOLLIN)
+        try:
+            send_fds(s, ring)
+        except OSError as e:
+            self._lose(c, f"cannot hand it a shared ring: {e.strerror or e}")
+            return c
+        hello = self._hello(dst) if self._hello is not None else b""
+        n = self._io(c, _SEND, ring.send, hello) if hello else 0
+        if n >= 0 and n < len(hello):
+            self._queue(c, [hello], n)
+        elif n >= 0:
+            self.direct[dst] = c
         return c
 
     def _io(self, c: _Conn, what: str, call: Callable[..., int], *args: Any) -> int:
@@ -366,8 +484,8 @@ class TcpEndpoint:
                     kept = kept or _frozen(parts)
                     self._queue(c, kept, 0)  # (it asks epoll to say when it takes more)
                     continue
-            n = io(c, _SEND, c.sock.send, one) if one is not None \
-                else io(c, _SEND, c.sock.sendmsg, parts)
+            n = io(c, _SEND, c.io.send, one) if one is not None \
+                else io(c, _SEND, c.io.sendmsg, parts)
             if n == _FAILED:
                 continue
             if n < total:
@@ -391,13 +509,67 @@ class TcpEndpoint:
         c.pending.extend(views)
         c.backlog += size + PENDING_OVERHEAD * len(views)
         self.unflushed.add(c)
+        if not self._pushing:
+            self._start_pusher()
         self.direct.pop(c.rank, None)  # type: ignore[arg-type]  # (outbound: a rank)
         self._register(c, select.EPOLLOUT | select.EPOLLIN)
+
+    def _start_pusher(self) -> None:
+        """Start the thread that sends what stays queued once the calls have returned (see
+        :meth:`_pusher`), unless it runs."""
+        with self._push_lock:
+            if self._pushing or self.closed or os.getpid() != self._pid:
+                return
+            self._pushing = True
+        threading.Thread(target=self._pusher, daemon=True, name="ctrlcomm-push").start()
+
+    def _pusher(self) -> None:
+        """Send what is queued as the peers take it, while anything is: a send returns with
+        up to MAX_BACKLOG (the core's) still queued, and a rank that makes no call after it
+        (a broadcast's root that sleeps, say) would otherwise hold it back until its next
+        call. It sleeps until a socket (or ring) takes more, or PUSH_LOOK_S; then sends,
+        holding ``io`` (a call that runs meanwhile sends it itself, in its waits)."""
+        while True:
+            with self._push_lock:
+                if self.closed or not self.unflushed:
+                    self._pushing = False
+                    return
+                try:
+                    conns = list(self.unflushed)
+                except RuntimeError:  # (changed meanwhile: looked at again below)
+                    conns = []
+            p = select.poll()
+            for c in conns:
+                fd = c.ring.room_fd if c.ring is not None else c.sock.fileno()
+                if fd >= 0:
+                    p.register(fd, select.POLLIN if c.ring is not None else select.POLLOUT)
+            try:
+                ready = {fd for fd, _ in p.poll(PUSH_LOOK_S * 1000)}
+            except OSError:  # (a descriptor closed meanwhile)
+                ready = set()
+            if self.io.acquire(timeout=PUSH_LOOK_S):
+                try:
+                    if not self.closed:
+                        self._pushed(conns, ready)
+                finally:
+                    self.io.release()
+
+    def _pushed(self, conns: list[_Conn], ready: set[int]) -> None:
+        """(_pusher, holding ``io``.) Send what ``conns`` have queued, those of ``ready``
+        descriptors first taken note of: a ring's room told (else its eventfd would keep
+        the pusher's poll ready), a connection made."""
+        for c in conns:
+            if c.ring is not None:
+                if c.ring.room_fd in ready:
+                    c.ring.clear()
+            elif c.connecting and c.sock.fileno() in ready:
+                self._connected(c)
+        self.push(0.0)
 
     def _flush(self, c: _Conn) -> None:
         while c.pending:
             batch = [c.pending[i] for i in range(min(len(c.pending), 512))]
-            n = self._io(c, _SEND, c.sock.sendmsg, batch)
+            n = self._io(c, _SEND, c.io.sendmsg, batch)
             if n < 0:  # (it would block: the rest later; or it failed: lost)
                 return
             c.backlog -= n
@@ -469,6 +641,18 @@ class TcpEndpoint:
             self.inbound -= 1
             if self.unknown.get(c.fd) is c:
                 del self.unknown[c.fd]
+        ring = c.ring
+        if ring is not None:
+            self.conns.pop(ring.fd, None)
+            if c.events != -1:
+                try:
+                    self.ep.unregister(ring.fd)
+                except (OSError, ValueError):
+                    pass
+            if ring in self.rings_in:
+                self.rings_in.remove(ring)
+            self.rings_waiting.discard(c)
+            ring.close()
         c.sock.close()
         c.pending.clear()
 
@@ -497,6 +681,7 @@ class TcpEndpoint:
             s.setblocking(False)
             c = _Conn(s, inbound=True, rank=None)
             c.decoder.max_message = UNIDENTIFIED_MAX  # type: ignore[union-attr]  # (see set_hello)
+            c.fresh = ls is self.usock and self.shm  # (a ring may come with its first byte)
             self.conns[c.fd] = c
             self.unknown[c.fd] = c
             self.inbound += 1
@@ -507,13 +692,51 @@ class TcpEndpoint:
         left of a hello, else of a small piece. Whether it is identified now (then it takes
         messages of any size, and the caller reads on)."""
         dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
+        if c.fresh and not self._handover(c, sink):
+            return False
         want = self.hello_len - dec.pending()
-        got = self._io(c, _RECV, c.sock.recv_into, self._rbuf, want if want > 0 else 4096)
+        got = self._io(c, _RECV, c.io.recv_into, self._rbuf, want if want > 0 else 4096)
         if got < 0:
             return False
         if self._take(c, self._rbuf, got, sink) < 0 or c.rank is None:
             return False
         dec.max_message = w.MAX_MESSAGE
+        return True
+
+    def _handover(self, c: _Conn, sink: Callable[[w.Message | None], int | None]) -> bool:
+        """(_first.) The first read of a connection accepted on the Unix socket: a peer's
+        shared ring (its descriptors, with HANDOVER), from which the stream is read from now
+        on; else the stream's first byte. Whether to read on."""
+        try:
+            data, fds = recv_fds(c.sock)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            self._lose(c, f"connection failed: {e.strerror or e}")
+            return False
+        c.fresh = False
+        if not data:
+            self._lose(c, "connection closed")
+            return False
+        if not fds:  # a peer that streams on the socket (transport="tcp")
+            return self._take(c, data, len(data), sink) >= 0
+        ring = None
+        if data == HANDOVER and len(fds) == 3:
+            try:
+                ring = Ring(fds[0], fds[1], fds[2], writer=False)
+            except (OSError, ValueError):  # (not a ring's memory file)
+                ring = None
+        if ring is None:
+            for fd in fds:
+                os.close(fd)
+            self._count("bad_handover")
+            self._drop_conn(c)
+            return False
+        events, c.events = c.events, -1
+        self.ep.unregister(c.fd)  # (registered again with its ring's eventfd)
+        c.ring = c.io = ring
+        self.conns[ring.fd] = c
+        self._register(c, events)
         return True
 
     def _identify(self, c: _Conn, msgs: list[w.Message | None],
@@ -561,17 +784,23 @@ class TcpEndpoint:
         ready, self._ready = self._ready, None
         x = self.expect
         self._t0 = 0.0
-        other = False
+        other = exited = False
         for fd, ev in ready if ready is not None else self.ep.poll(0):
             if fd in lfds:
                 other = True
                 if fd == lfds[2]:
                     self.bell.clear()  # a wake-up (see wake): nothing to read
+                elif fd == lfds[3]:
+                    exited = True  # (told after what its sockets hold is read)
                 else:
                     self._accept(self.lsock if fd == lfds[0] else self.usock)  # type: ignore[arg-type]
                 continue
             c = self.conns.get(fd)
             if c is None:
+                continue
+            if c.ring is not None:
+                if self._ring_event(c, fd, sink, x):
+                    other = True
                 continue
             if c.rank is not None and c.inbound:
                 if self._read(c, sink, x):
@@ -582,6 +811,38 @@ class TcpEndpoint:
                 self._outbound(c, fd, ev)
             elif self._first(c, sink):  # (else: not identified yet, or dropped)
                 self._read(c, sink, x)
+        if exited:
+            self._exits()
+        return other
+
+    def _ring_event(self, c: _Conn, fd: int, sink: Callable[[w.Message | None], int | None],
+                    x: Expected | None) -> bool:
+        """(drain.) An event on a ring's connection: its eventfd (data in, or room out), or
+        its socket, which only ends (what the peer wrote before is read first). As
+        :meth:`_read` says."""
+        ring: Ring = c.ring  # type: ignore[assignment]
+        if fd == c.fd:
+            if c.inbound and c.rank is not None:
+                while ring.memfd >= 0 and not c.paused and ring.ready():
+                    self._read(c, sink, None)
+                if c.paused:  # (by what it read: its end is seen again as it resumes)
+                    return True
+            if c.fd in self.conns and self._io(c, _RECV, c.sock.recv_into, self._one, 1) > 0:
+                self._lose(c, "a byte came on a shared ring's socket")
+            return True
+        ring.clear()  # (before reading: bytes written after it wake the next wait)
+        if not c.inbound:
+            if c.pending:
+                self._flush(c)
+            return True
+        if c.rank is not None:
+            other = self._read(c, sink, x)
+        else:
+            other = True
+            if self._first(c, sink):
+                self._read(c, sink, x)
+        if ring.memfd >= 0 and not c.paused and ring.ready():
+            os.eventfd_write(ring.data_fd, 1)  # a read cut short (a flood): the rest next time
         return other
 
     def _read(self, c: _Conn, sink: Callable[[w.Message | None], int | None],
@@ -593,7 +854,7 @@ class TcpEndpoint:
         view, buf = self._rview, self._rbuf
         data: bytes | bytearray
         dec: w.StreamDecoder = c.decoder  # type: ignore[assignment]  # (inbound)
-        recv_into = c.sock.recv_into
+        recv_into = c.io.recv_into
         rsize = c.rsize
         if x is not None and (c.rank not in x.left or dec.buf or dec._lens is not None
                               or c.paused):
@@ -694,9 +955,49 @@ class TcpEndpoint:
         return e
 
     def wait(self, timeout: float) -> None:
-        """Sleep until a socket is ready, :meth:`wake` is called or ``timeout`` seconds pass."""
+        """Sleep until a socket is ready, :meth:`wake` is called or ``timeout`` seconds pass;
+        where rings are read from, spin on them first (:meth:`_spin_for`)."""
+        budget = self._spin_for()
+        if budget:
+            end = time.perf_counter() + min(budget, max(timeout, 0.0))
+            rings = self.rings_in
+            while True:
+                for r in rings:
+                    if r.ready():
+                        self.spun = 0
+                        return  # (the drain asks epoll, which finds the ring's eventfd)
+                if time.perf_counter() >= end:
+                    break
+                os.sched_yield()  # (releases the GIL: another thread of this process runs)
+            self.spun += 1
+        if self.rings_waiting:
+            timeout = min(timeout, ROOM_LOOK_S)
         # the next drain handles these events instead of asking epoll again
         self._ready = self.ep.poll(min(max(timeout, 0.0), MAX_POLL_S)) or None
+        if self._ready is None and self.rings_waiting:
+            self._look_for_room()
+
+    def _spin_for(self) -> float:
+        """How long this wait spins on the rings it reads from before it sleeps: the budget
+        (``spin_us``; none where this host's ranks outnumber the CPUs) while spins find what
+        comes; after SPIN_MISSES in a row that found nothing (a peer that comes late: the
+        spin only burns a CPU) only every SPIN_PROBE-th wait, to see whether they come
+        sooner again."""
+        if not self.spin or not self.rings_in:
+            return 0.0
+        if self.spun < SPIN_MISSES or not self.spun % SPIN_PROBE:
+            return self.spin
+        self.spun += 1
+        return 0.0
+
+    def _look_for_room(self) -> None:
+        """(wait.) Wake the next drain for a ring that has room while its writer waits for
+        it: the reader did not see the ask (see Ring._ask)."""
+        for c in list(self.rings_waiting):
+            ring = c.ring
+            if ring is not None and ring.memfd >= 0 and ring.has_room():
+                os.eventfd_write(ring.room_fd, 1)
+                self._ready = None
 
     def wake(self) -> None:
         """End a wait in progress, blocking or awaited (from any thread)."""
@@ -719,7 +1020,21 @@ class TcpEndpoint:
             if turn_due(self):
                 await _unheld(self, asyncio.sleep(0))
             return
-        if self.spare_cpu:
+        budget = self._spin_for()
+        if budget:
+            # spinning, awaited: turns of the event loop until the budget ends, a ring has
+            # something to read, or the call was closed meanwhile
+            end, rings = time.perf_counter() + min(budget, max(timeout, 0.0)), self.rings_in
+            while time.perf_counter() < end:
+                await _unheld(self, asyncio.sleep(0))
+                if self.closed:
+                    return
+                if any(r.ready() for r in rings):
+                    self.spun = 0
+                    self.turn = time.monotonic()
+                    return
+            self.spun += 1
+        elif self.spare_cpu:
             # the ranks of this host have a CPU each: what is waited for is likely a few
             # microseconds away, and sleeping costs more (an epoll wake-up: tens of them).
             # The loop gets one turn first, then one more look before sleeping. (Where ranks
@@ -738,6 +1053,9 @@ class TcpEndpoint:
             loop.add_reader(self.fd, self._on_readable, loop)
             self._loop = loop
         fut = self._waiter = loop.create_future()
+        if self.rings_waiting:
+            self._look_for_room()
+            timeout = min(timeout, ROOM_LOOK_S)
         at = loop.time() + max(timeout, 0.0)
         timer = self._timer
         if timer is None or timer.when() > at:
@@ -860,6 +1178,20 @@ class TcpEndpoint:
             pass
         self.ep.close()
 
+    def _close_in_child(self) -> None:
+        """(close, in a forked child.) The sockets are the parent's, whose streams go on;
+        only this process's descriptors go (no flush: what the parent queued is the
+        parent's)."""
+        for c in (*self.conns.values(), *self.out.values()):
+            _close_conn(c)
+        for s in (self.lsock, self.usock):
+            if s is not None:
+                s.close()
+        self.ep.close()
+        self.bell.close()
+        if self.pids is not None:
+            self.pids.close()
+
     def close(self, gone: Collection[int] = ()) -> None:
         """Close every socket; unsent data goes on in a short-lived thread (like a linger).
         (``gone``: as ZmqEndpoint.close's; here a connection to a gone peer fails at once.)"""
@@ -867,15 +1199,7 @@ class TcpEndpoint:
             return
         self.closed = True
         if os.getpid() != self._pid:
-            # a forked child: the sockets are the parent's, whose streams go on; only this
-            # process's descriptors go (no flush: what the parent queued is the parent's)
-            for c in (*self.conns.values(), *self.out.values()):
-                c.sock.close()
-            for s in (self.lsock, self.usock):
-                if s is not None:
-                    s.close()
-            self.ep.close()
-            self.bell.close()
+            self._close_in_child()
             return
         fut = self._waiter
         if fut is not None and not fut.done():
@@ -901,6 +1225,8 @@ class TcpEndpoint:
         if not handed:
             self.ep.close()
         self.bell.close()
+        if self.pids is not None:
+            self.pids.close()
         if left:
             # not a daemon: a process that exits right after close() still delivers its last
             # messages (for at most LINGER_MS), as ZeroMQ's context termination does
@@ -987,8 +1313,11 @@ def _flush_at_mp_exit() -> None:
 def _linger(conns: list[_Conn], close: bool = True) -> None:
     deadline = time.monotonic() + LINGER_MS / 1000
     for c in conns:
-        c.sock.setblocking(True)
         try:
+            if c.ring is not None:
+                _linger_ring(c, c.ring, deadline)
+                continue
+            c.sock.setblocking(True)
             while c.pending and time.monotonic() < deadline:
                 c.sock.settimeout(max(deadline - time.monotonic(), 0.01))
                 v = c.pending.popleft()
@@ -999,4 +1328,38 @@ def _linger(conns: list[_Conn], close: bool = True) -> None:
             pass
         finally:
             if close:
-                c.sock.close()
+                _close_conn(c)
+
+
+def _close_conn(c: _Conn) -> None:
+    """Close ``c``'s socket, and its ring (once: a ring and its socket are in two places)."""
+    c.sock.close()
+    if c.ring is not None and c.ring.memfd >= 0:
+        c.ring.close()
+
+
+def _linger_ring(c: _Conn, ring: Ring, deadline: float) -> None:
+    """(_linger.) Write what ``c`` has queued into its ring as the reader makes room, until
+    ``deadline`` or the reader's end (its socket's)."""
+    p = select.poll()
+    p.register(ring.room_fd, select.POLLIN)
+    p.register(c.sock.fileno(), select.POLLIN)
+    while c.pending:
+        v = c.pending[0]
+        try:
+            n = ring.send(v)
+        except BlockingIOError:
+            n = 0
+        if n >= v.nbytes:
+            c.pending.popleft()
+            continue
+        if n:
+            c.pending[0] = v[n:]
+            continue
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        for fd, _ in p.poll(min(left, ROOM_LOOK_S) * 1000):  # (a lost ask: Ring._ask)
+            if fd == c.sock.fileno():
+                return  # the reader is gone
+        ring.clear()

@@ -16,9 +16,9 @@ import zmq
 import zmq.utils.z85
 
 from .. import _wire as w
-from .._endpoint import COPY_THRESHOLD, FAIR_S, IoLock, turn_due
+from .._endpoint import COPY_THRESHOLD, FAIR_S, PROCESS_EXITED, IoLock, turn_due
 from .._errors import CtrlcommError, FormationError
-from ._base import SETTLE_ROUNDS, _Bell, _unheld
+from ._base import SETTLE_ROUNDS, PidWatch, _Bell, _unheld
 from ._net import LINGER_MS, MAX_POLL_S, _bind_error, _curve_client, _curve_server, _is_v6, _refused, _tcp
 
 HWM = 100_000
@@ -99,6 +99,8 @@ class ZmqEndpoint:
         self._poller.register(self.rx, zmq.POLLIN)
         self.bell = _Bell()
         self._poller.register(self.bell.fd, zmq.POLLIN)
+        self.pids: PidWatch | None = None  # same-host peers' processes (see watch)
+        self._exited = False  # their descriptor was seen readable: the next drain tells
         self.io, self.held_async = IoLock(), False  # see Core._abort_suspended
         # (loop, wake) of an awaited wait in progress (see wake)
         self._aw: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
@@ -291,6 +293,22 @@ class ZmqEndpoint:
     def resume(self, src: int) -> None:
         pass
 
+    def watch(self, procs: dict[int, tuple[int, int]]) -> None:
+        """Tell the core at once when a same-host peer's process exits (``procs``: their
+        ``(pid, start time)``): ZeroMQ reconnects silently, and heartbeats take seconds."""
+        if not procs or self.closed:
+            return
+        self.pids = PidWatch(procs)
+        self._poller.register(self.pids.fd, zmq.POLLIN)
+        self._exited = True  # (those gone already)
+
+    def _exits(self) -> None:
+        self._exited = False
+        pids, lost = self.pids, self.on_lost
+        if pids is not None and lost is not None:
+            for rank in pids.exited():
+                lost(rank, PROCESS_EXITED, True)
+
     def drain(self, sink: Callable[[w.Message | None], int | None], limit: int = 1 << 30
               ) -> int:
         """Receive every message waiting now and hand each to ``sink``, decoded (``None``
@@ -316,6 +334,8 @@ class ZmqEndpoint:
             # counting them, 128 of those held an awaited caller's loop for 330 ms)
             if clock() >= until:
                 break
+        if self._exited:  # (told after what came before it)
+            self._exits()
         return n
 
     def settle(self, sink: Callable[[w.Message | None], int | None]) -> None:
@@ -346,6 +366,8 @@ class ZmqEndpoint:
         for s, _ in self._poller.poll(int(min(max(timeout, 0.0), MAX_POLL_S) * 1000 + 0.999)):
             if s == bfd:
                 self.bell.clear()
+            elif self.pids is not None and s == self.pids.fd:
+                self._exited = True
 
     def wake(self) -> None:
         """End a wait in progress, blocking or awaited (from any thread)."""
@@ -380,8 +402,14 @@ class ZmqEndpoint:
             if not fut.done():
                 fut.set_result(None)
 
-        fd = self.fd
+        def exited() -> None:
+            self._exited = True
+            wake()
+
+        fd, pids = self.fd, self.pids
         loop.add_reader(fd, wake)
+        if pids is not None:
+            loop.add_reader(pids.fd, exited)
         timer = loop.call_later(max(timeout, 0.0), wake)
         aw = self._aw = (loop, wake)
         if self.bell.clear():
@@ -395,6 +423,34 @@ class ZmqEndpoint:
             if self._aw is aw:  # (else close() took the reader away already: see there)
                 self._aw = None
                 loop.remove_reader(fd)
+                if pids is not None:
+                    loop.remove_reader(pids.fd)
+                    if self.closed:  # (close() left it to this loop)
+                        pids.close()
+
+    def _end_awaited_wait(self) -> None:
+        """(close.) An awaited wait of this thread's loop (close() from another task: a
+        close from another thread is done by the thread whose call holds the group, once
+        woken): its readers go before the descriptors do, with rx (a number reused at once
+        found the loop's stale entry, and add_reader then registered nothing); and the wait
+        ends, finding the endpoint closed."""
+        aw, self._aw = self._aw, None
+        if aw is None:
+            return
+        try:
+            here = asyncio.get_running_loop() is aw[0]
+        except RuntimeError:
+            here = False
+        if here or not aw[0].is_running():  # (a loop not running: nothing selects now)
+            try:
+                aw[0].remove_reader(self.fd)
+                if self.pids is not None:
+                    aw[0].remove_reader(self.pids.fd)
+                aw[1]()
+            except Exception:  # (a closed loop: its selector, entry included, is gone)
+                pass
+        else:
+            self._aw = aw  # (its own thread removes it; wake() ends the wait)
 
     def close(self, gone: Collection[int] = ()) -> None:
         """Close the sockets. What is queued for peers still goes out, in a thread the
@@ -406,25 +462,7 @@ class ZmqEndpoint:
         self.closed = True
         if os.getpid() != self._pid:  # a forked child: the sockets are the parent's
             return
-        aw, self._aw = self._aw, None
-        if aw is not None:
-            # an awaited wait of this thread's loop (close() from another task: a close
-            # from another thread is done by the thread whose call holds the group, once
-            # woken): its reader goes before the descriptor does, with rx (a number reused at
-            # once found the loop's stale entry, and add_reader then registered nothing);
-            # and the wait ends, finding the endpoint closed
-            try:
-                here = asyncio.get_running_loop() is aw[0]
-            except RuntimeError:
-                here = False
-            if here or not aw[0].is_running():  # (a loop not running: nothing selects now)
-                try:
-                    aw[0].remove_reader(self.fd)
-                    aw[1]()
-                except Exception:  # (a closed loop: its selector, entry included, is gone)
-                    pass
-            else:
-                self._aw = aw  # (its own thread removes it; wake() ends the wait)
+        self._end_awaited_wait()
         gone = set(gone)
         try:
             for _ in range(100_000):
@@ -450,6 +488,8 @@ class ZmqEndpoint:
                 s.close(0 if dst in gone else None)
         self.tx.clear()
         self.bell.close()
+        if self.pids is not None and self._aw is None:  # (else its loop removes it: later)
+            self.pids.close()
         # (not a daemon: a process that exits right after close() still delivers its last
         # messages, for at most LINGER_MS, as the TCP transport's linger does. A caller who
         # terminates a context of theirs right after close(), as Megatron's shutdown does,
