@@ -225,7 +225,10 @@ def stranger(rank, size, port, what):
             for fd in set(fds):
                 os.close(fd)
         g.barrier()
-        time.sleep(0.2)
+        for _ in range(200):  # (rank 0 accepts it in one drain, reads it in a later one)
+            if g.all_reduce(int("bad_handover" in g.stats()["dropped"])):
+                break
+            time.sleep(0.01)
         got = g.all_gather(rank)
         dropped = g.stats()["dropped"]
         if rank == 1:

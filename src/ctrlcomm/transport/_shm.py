@@ -204,6 +204,8 @@ class Ring:
             pass
 
     def close(self) -> None:
+        if self.memfd < 0:  # (closed already)
+            return
         ctl, data = self.ctl, self.data
         self.ctl, self.data = _CLOSED, memoryview(b"")  # (the old views released below)
         ctl.release()

@@ -1215,7 +1215,7 @@ class TcpEndpoint:
             if c.pending and not c.connecting and c.sock.fileno() >= 0:
                 self._flush(c)
         left = [c for c in self.out.values() if c.pending and c.sock.fileno() >= 0]
-        for c in list(self.conns.values()):
+        for c in set(self.conns.values()):  # (once each: a ring's is there twice)
             if c not in left:
                 self._drop_conn(c)
         self.direct.clear()
