@@ -79,6 +79,20 @@ def test_ranks_of_one_host_talk_through_rings_that_leave_nothing_behind(size):
     assert shm_names() <= before  # (no named segment either)
 
 
+def without_rings(rank, size, port):
+    from ctrlcomm.transport import _shm
+
+    _shm.AVAILABLE = False  # (as on a machine whose stores may be seen out of order: ARM)
+    return everything(rank, size, port, None)
+
+
+def test_where_rings_are_not_safe_shm_sends_over_unix_sockets():
+    res = run_ranks(without_rings, 2, free_port())
+    for rank, out in enumerate(res):
+        assert out["gather"] == [0, 1] and out["p2p"] == {"from": 1 - rank}
+        assert out["rings"] == [] and out["files"] == ({}, 0)
+
+
 def test_transport_tcp_and_the_variable_send_on_sockets(monkeypatch):
     res = run_ranks(everything, 2, free_port(), "tcp")
     assert [(o["rings"], o["kind"], o["files"]) for o in res] == [([], "tcp", ({}, 0))] * 2

@@ -30,10 +30,16 @@ import errno
 import fcntl
 import mmap
 import os
+import platform
 import socket
 from collections.abc import Sequence
 from typing import Any
 
+# Where rings are used: the counters are plain loads and stores from Python, which has no
+# memory fence, and only x86-64 keeps stores in order with stores and loads with loads (and
+# a reader's loads before its store of the read count): elsewhere (ARM) a reader could see a
+# count before the bytes it counts, and "shm" sends over the Unix sockets instead
+AVAILABLE = platform.machine().lower() in ("x86_64", "amd64")
 CONTROL = 4096  # bytes before the ring's data: the counters, a page
 _HEAD, _TAIL, _WAITS = 0, 8, 16  # the counters' indexes as 64-bit words (a cache line apart)
 MIN_RING, MAX_RING = 64 * 1024, 16 * 1024 * 1024

@@ -21,6 +21,7 @@ from typing import Any
 from .. import _wire as w
 from .._endpoint import COPY_THRESHOLD, FAIR_S, PROCESS_EXITED, Expected, IoLock, turn_due, wake_future
 from .._errors import StoreError, WireError
+from . import _shm
 from ._base import SETTLE_ROUNDS, PidWatch, _Bell, _let_go, _take_back, _unheld
 from ._net import (
     LINGER_MS,
@@ -217,7 +218,7 @@ class TcpEndpoint:
         """This rank's Unix socket ("unix:name@host"), where it has one, and with ``shm``
         its IPC namespace ("ipc:id": peers with another do not share memory with it)."""
         out = [self.local_address] if self.local_address else []
-        if self.shm and self.local_address and ipc_id():
+        if self.shm and self.local_address and ipc_id() and _shm.AVAILABLE:
             out.append(f"ipc:{ipc_id()}")
         return out
 
@@ -240,7 +241,7 @@ class TcpEndpoint:
             self.spare_cpu = here == len(peers) and here <= cpus
             if self._local_mode == "auto" and not use_local_sockets(here, cpus):
                 self.local_peers = {}  # this rank connects over TCP (it still accepts both)
-            if self.shm and ipc_id():
+            if self.shm and ipc_id() and _shm.AVAILABLE:
                 mine = f"ipc:{ipc_id()}"
                 self.ring_peers = {r for r in self.local_peers if mine in (fields or {})[r]}
                 # a spin pays where every rank of this host has a CPU to spin on: else it
