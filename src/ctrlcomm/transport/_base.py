@@ -9,6 +9,7 @@ import threading
 from collections.abc import Awaitable
 from typing import Any
 
+from .._endpoint import PROCESS_EXITED, LostCallback
 from ._net import _proc_stat
 
 
@@ -104,6 +105,13 @@ class PidWatch:
                 continue
             self.ep.register(pfd, select.EPOLLIN)
             self.ranks[pfd] = rank
+
+    def tell(self, on_lost: LostCallback | None) -> None:
+        """Tell ``on_lost`` (an endpoint's) of each rank whose process exited since last
+        told, with PROCESS_EXITED."""
+        if on_lost is not None:
+            for rank in self.exited():
+                on_lost(rank, PROCESS_EXITED, True)
 
     def exited(self) -> list[int]:
         """The ranks whose process exited since last asked (each told once)."""

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .. import _wire as w
-from .._endpoint import COPY_THRESHOLD, FAIR_S, PROCESS_EXITED, Expected, IoLock, turn_due, wake_future
+from .._endpoint import COPY_THRESHOLD, FAIR_S, Expected, IoLock, turn_due, wake_future
 from .._errors import StoreError, WireError
 from . import _shm
 from ._base import SETTLE_ROUNDS, PidWatch, _Bell, _let_go, _take_back, _unheld
@@ -259,10 +259,8 @@ class TcpEndpoint:
         self._exits()
 
     def _exits(self) -> None:
-        pids, lost = self.pids, self.on_lost
-        if pids is not None and lost is not None:
-            for rank in pids.exited():
-                lost(rank, PROCESS_EXITED, True)
+        if self.pids is not None:
+            self.pids.tell(self.on_lost)
 
     def _count(self, why: str) -> None:
         self.dropped[why] = self.dropped.get(why, 0) + 1
@@ -1333,10 +1331,10 @@ def _linger(conns: list[_Conn], close: bool = True) -> None:
 
 
 def _close_conn(c: _Conn) -> None:
-    """Close ``c``'s socket, and its ring (once: a ring and its socket are in two places)."""
+    """Close ``c``'s socket, and its ring."""
     c.sock.close()
-    if c.ring is not None and c.ring.memfd >= 0:
-        c.ring.close()
+    if c.ring is not None:
+        c.ring.close()  # (closed once however often asked: a ring is in two places)
 
 
 def _linger_ring(c: _Conn, ring: Ring, deadline: float) -> None:

@@ -16,7 +16,7 @@ import zmq
 import zmq.utils.z85
 
 from .. import _wire as w
-from .._endpoint import COPY_THRESHOLD, FAIR_S, PROCESS_EXITED, IoLock, turn_due
+from .._endpoint import COPY_THRESHOLD, FAIR_S, IoLock, turn_due
 from .._errors import CtrlcommError, FormationError
 from ._base import SETTLE_ROUNDS, PidWatch, _Bell, _unheld
 from ._net import LINGER_MS, MAX_POLL_S, _bind_error, _curve_client, _curve_server, _is_v6, _refused, _tcp
@@ -304,10 +304,8 @@ class ZmqEndpoint:
 
     def _exits(self) -> None:
         self._exited = False
-        pids, lost = self.pids, self.on_lost
-        if pids is not None and lost is not None:
-            for rank in pids.exited():
-                lost(rank, PROCESS_EXITED, True)
+        if self.pids is not None:
+            self.pids.tell(self.on_lost)
 
     def drain(self, sink: Callable[[w.Message | None], int | None], limit: int = 1 << 30
               ) -> int:
