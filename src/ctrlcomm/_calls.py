@@ -99,8 +99,13 @@ def _timeout_arg(timeout: Any, op: str, rank: int | None = None) -> float | None
     return t
 
 
+# Tags a user may not give: ctrlcomm's own messages on a group (a shrink's, which run on a
+# broken group too: see _elastic)
+RESERVED_TAGS = frozenset({-(1 << 63), -(1 << 63) + 1})
+
+
 def _tag_arg(core: Core, tag: Any, op: str) -> int:
-    if type(tag) is int and -(1 << 63) <= tag < (1 << 63):  # the usual
+    if type(tag) is int and -(1 << 63) + 1 < tag < (1 << 63):  # the usual
         return tag
     try:
         t = operator.index(tag)
@@ -109,6 +114,9 @@ def _tag_arg(core: Core, tag: Any, op: str) -> int:
                                    f"got {show(tag)}") from None
     if not -(1 << 63) <= t < (1 << 63):
         raise InvalidArgumentError(f"{op} on rank {core.rank}: tag {t} out of range (int64)")
+    if t in RESERVED_TAGS:
+        raise InvalidArgumentError(f"{op} on rank {core.rank}: tag {t} is reserved for "
+                                   "ctrlcomm's own messages (Group.shrink)")
     return t
 
 

@@ -16,9 +16,9 @@ import time
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 from . import _ops
-from . import _wire as w
 from ._aio import _Awaited, _coroutine_function, run_async
 from ._calls import (
     LIVENESS_TIMEOUT_S,
@@ -48,32 +48,45 @@ from ._errors import (
     InvalidArgumentError,
     StoreError,
     StoreTimeoutError,
-    WireError,
     show,
+)
+from ._forming import (
+    CODECS,
+    Made,
+    Parts,
+    _address_record,
+    _make_core,
+    _new_parts,
+    _Setup,
+    shrink_plan,
+    split_begin,
+    split_end,
 )
 from ._lifecycle import CLOSED
 from .rendezvous._client import StoreClient, _check_host, _store_host, port_arg
-from .rendezvous._formation import _bind_address, _group_id, _group_key, _host_of, _reachable, _rendezvous
+from .rendezvous._external import open_external
+from .rendezvous._formation import (
+    FORMED,
+    _bind_address,
+    _formed_without,
+    _rendezvous,
+)
 from .rendezvous._hosting import _acquire_server, _release_server
 from .rendezvous._server import StoreServer
 from .rendezvous._state import StoreLimits
-from .transport import TRANSPORTS, make_endpoint
+from .transport import TRANSPORTS
 from .transport._heartbeat import Heartbeat
 from .transport._net import (
-    _parse_tcp,
-    _tcp,
     _wildcard,
     auth_key_or_env,
     curve_available,
     local_address_for,
-    proc_address,
-    same_host_procs,
     warn_if_unkeyed,
 )
 from .transport._shm import spin_budget
 from .transport._tcp import BEFORE_EXIT_FLUSH
 
-CODECS = {"pickle": w.PICKLE, "msgpack": w.MSGPACK}
+CLOSE_ASK_S = 0.1  # how long close() waits for the store to take the group's table back
 log = logging.getLogger("ctrlcomm")
 
 
@@ -202,7 +215,7 @@ def _published(agent: Any, key: str, tried: str | None, deadline: float) -> str 
 
 
 def _formation_settings(name: Any, timeout: Any, transport: Any, codec: Any, port: Any,
-                        auth_key: Any, encrypt: Any
+                        auth_key: Any, encrypt: Any, external: bool = False
                         ) -> tuple[float, str, int, bytes | None, bool]:
     """Group.create's settings checked, in this order: (timeout, transport, port, key,
     encrypt)."""
@@ -232,6 +245,11 @@ def _formation_settings(name: Any, timeout: Any, transport: Any, codec: Any, por
         raise InvalidArgumentError("Group.create: auth_key is empty; give a secret, or "
                                    "None for no authentication")
     key = auth_key_or_env(auth_key)
+    if external and not key:
+        raise InvalidArgumentError(
+            "Group.create: store= needs auth_key= (or CTRLCOMM_AUTH_KEY): whoever reaches an "
+            "external store can read what formation keeps there, the group's secret "
+            "included, which the key makes useless to them")
     encrypt = bool(encrypt)
     if encrypt:
         if not key:
@@ -253,79 +271,33 @@ class _Joining(NamedTuple):
 
     store: StoreClient
     server: StoreServer | None
-    store_address: str
-    port: int
-    bind_host: str
+    s: _Setup
     ep: Endpoint
     hb: Heartbeat
     rank: int
     world_size: int
     name: str
-    codec: str
-    transport: str
-    key: bytes | None
-    timeout: float
     deadline: float
     rank0_hosts: bool
     # what the store here had dropped as this rank made it: counted from then, not from the
     # rendezvous (a peer without the key may fail its handshake as it connects, and where
     # its ZeroMQ saw the mechanisms differ first, it tries no more until its next request)
     dropped: int
+    late_check: bool = True
 
 
-def _form_core(j: _Joining, liveness_timeout: float | None) -> Core:
+def _form_core(j: _Joining) -> Core:
     """Publish this rank's address record, take part in the formation, and make the core
     over the endpoint and heartbeat (peers set, MAC key derived)."""
-    ep, hb, name, store_address = j.ep, j.hb, j.name, j.store_address
-    me = _address_record(j)
+    me = _address_record(j.ep, j.hb, j.s, j.world_size)
     try:
-        nonce, secret, table = _rendezvous(j.store, me, j.rank, j.world_size, name,
-                                           j.deadline, rank0_hosts=j.rank0_hosts)
+        nonce, secret, table = _rendezvous(j.store, me, j.rank, j.world_size, j.name,
+                                           j.deadline, rank0_hosts=j.rank0_hosts,
+                                           late_check=j.late_check)
     except FormationTimeoutError as e:
         _explain_timeout(e, j)
         raise
-    try:
-        records = {r: w.decode_address(line) for r, line in table.items()}
-    except WireError as e:  # (rank 0 published what a rank of this version did not make)
-        raise FormationError(f"group {name!r}: {e}") from None
-    peers = {r: _reachable(a.endpoint, store_address) for r, a in records.items()}
-    try:
-        ep.set_peers(peers, {r: list(a.fields) for r, a in records.items()})
-    except FormationError as e:
-        raise FormationError(f"group {name!r}: {e}") from None
-    gid = _group_id(name, nonce)
-    mac_key = _group_key(secret, gid, j.key)
-    hb.group_id, hb.key = gid, mac_key
-    procs = {r: p[0] for r, a in records.items() if (p := a.named("proc"))}
-    here = same_host_procs(procs, proc_address())
-    hb.start({r: (_host_of(peers[r]), a.udp_port) for r, a in records.items() if r != j.rank},
-             here)
-    core = Core(name=name, rank=j.rank, size=j.world_size, group_id=gid, endpoint=ep,
-                codec=CODECS[j.codec], key=mac_key, timeout=j.timeout, heartbeat=hb,
-                liveness_timeout=liveness_timeout)
-    ep.watch(here)  # (once the core takes what it tells)
-    return core
-
-
-def _address_record(j: _Joining) -> str:
-    """This rank's line of the address table (see w.AddressRecord)."""
-    address = j.ep.address
-    if _wildcard(j.bind_host):
-        # bound to every interface: peers are told the one that reaches the store
-        # (the address bound, 0.0.0.0, would send a peer elsewhere to its own host),
-        # or, where the store is on every interface too, "*" (see Group.create)
-        address = _tcp("*" if _wildcard(j.store_address)
-                       else local_address_for(j.store_address, j.port),
-                       _parse_tcp(address)[1][1])
-    # what every rank must have alike, compared by rank 0 (a rank created with another world
-    # size, codec or transport would wait, or fail, without saying why), and the wire
-    # format's version: a peer of another reads none of its messages; "join:": this try's
-    # own, so that no later try reads this one's table as its own, were its ports the same
-    # again; "proc:" where this host has /proc (a silent peer of this host is looked up
-    # there: see Heartbeat.running)
-    fields = (*j.ep.published(), proc_address(), f"ws:{j.world_size}", f"codec:{j.codec}",
-              f"tr:{j.transport}", f"wire:{w.VERSION}", "join:" + os.urandom(6).hex())
-    return w.AddressRecord(address, j.hb.port, tuple(f for f in fields if f)).encode()
+    return _make_core(j.s, j.ep, j.hb, j.rank, j.world_size, j.name, nonce, secret, table)
 
 
 def _explain_timeout(e: FormationTimeoutError, j: _Joining) -> None:
@@ -338,13 +310,98 @@ def _explain_timeout(e: FormationTimeoutError, j: _Joining) -> None:
                   "not authenticate meanwhile: is a rank created with another "
                   "auth_key, or none?)",)
     if server is not None and e.missing and e.args \
-            and ipaddress.ip_address(j.store_address).is_loopback:
+            and ipaddress.ip_address(j.s.store_address).is_loopback:
         # (vLLM's TCPStore listens on every interface whatever its host: a rank
         # 0 given 127.0.0.1 there reaches ranks given this host's address)
         e.args = (f"{e.args[0]} (if they run on other hosts: the store here "
-                  f"listens on the loopback address {j.store_address} only, which "
+                  f"listens on the loopback address {j.s.store_address} only, which "
                   "they cannot reach; give rank 0 an address of this host that "
                   "they reach, or '0.0.0.0')",)
+
+
+# Where a group that grows (Group.grow) tells the processes that join (Group.join) how:
+# "TOKEN OLD NEW" (the try's own token, the old and the new world size), under its name
+GROW = "ctrlcomm:grow"
+
+
+def _external_address(store: Any, host: Any, port: Any, host_store: Any
+                      ) -> tuple[Any, Any, bool | None]:
+    """(Group.create.) ``(host, port, host_store)``: as given; with ``store=``, the store's
+    host and port (by which this rank picks the interface it publishes), and no store
+    hosted here."""
+    if store is None:
+        return host, port, host_store
+    if host is not None or port is not None or host_store:
+        raise InvalidArgumentError("Group.create: with store=, the store's address is in it: "
+                                   "give host and port as None (and no host_store)")
+    if isinstance(store, str):
+        parts = urlsplit(store)
+        try:
+            return parts.hostname or "", parts.port or 2379, False
+        except ValueError:
+            raise InvalidArgumentError(f"store={store!r}: give etcd://HOST:PORT/PREFIX") \
+                from None
+    return (str(getattr(store, "host", "") or "127.0.0.1"),
+            int(getattr(store, "port", 0) or 1), False)
+
+
+def _open_store(s: _Setup, name: str) -> Any:
+    """A new client of the store of a group made with ``s`` (its name's keys)."""
+    if s.external is not None:
+        return open_external(s.external, name, s.timeout)
+    return StoreClient(s.store_host, s.port, timeout=s.timeout, prefix=f"ctrlcomm/{name}/",
+                       auth_key=s.key, encrypt=s.encrypt, _address=s.store_address)
+
+
+def _formed_elsewhere(host: str, address: str, port: int, key: bytes | None, encrypt: bool,
+                      rank: int, name: str, deadline: float) -> None:
+    """Raise FormationError where the store at ``(address, port)`` holds group ``name``
+    formed without this process (see _formed_without); else nothing."""
+    try:
+        with StoreClient(host, port, timeout=1.0, prefix=f"ctrlcomm/{name}/", auth_key=key,
+                         encrypt=encrypt, _address=address) as store:
+            _formed_without(store, rank, name, deadline)
+    except (StoreError, OSError):
+        pass
+
+
+def _answers(s: _Setup) -> bool:
+    """Whether a store answers at the address of the store of a group made with ``s``."""
+    try:
+        with StoreClient(s.store_host, s.port, timeout=1.0, auth_key=s.key, encrypt=s.encrypt,
+                         _address=s.store_address) as store:
+            store.ping()
+        return True
+    except (StoreError, OSError):
+        return False
+
+
+def _grow(g: Group, size: int, deadline: float) -> Group:
+    """(Group.grow, the ranks agreed.) Form the grown group through the group's store."""
+    c, s = g._core, g._setup
+    store = _open_store(s, c.name)
+    parts = None
+    try:
+        if c.rank == 0:
+            store.set(GROW, f"{os.urandom(6).hex()} {c.size} {size}",
+                      timeout=max(deadline - time.monotonic(), 0.001))
+        parts = Parts(s, size)
+        core = _form_core(_Joining(store, None, s, parts.ep, parts.hb, c.rank, size, c.name,
+                                   deadline, False, 0, late_check=False))
+        parts.ep = parts.hb = None  # type: ignore[assignment]  # (the core's now)
+        if c.rank == 0:
+            try:  # (the next process to join waits for the next grow)
+                store.delete(GROW, timeout=CLOSE_ASK_S)
+            except StoreError:
+                pass
+    except BaseException:
+        if parts is not None:
+            parts.close()
+        store.close()
+        raise
+    new = type(g)(core, store=store, server=None, server_key=None)
+    new._setup = s
+    return new
 
 
 class Group:
@@ -376,6 +433,11 @@ class Group:
     """
 
     _finalizer: weakref.finalize[Any, Any] | None = None
+    _setup: _Setup  # (what its ranks were made with: groups made from it are too)
+    #: Where this group was made from another (split, new_group, shrink, grow): the rank in
+    #: that group of each of its ranks (None for a rank that was not in it); else None.
+    parent_ranks: list[int | None] | None = None
+    _shrinks = 0  # (shrinks begun: a failed one's messages are passed over by the next)
 
     def __init__(self, core: Core, *, store: StoreClient | None, server: StoreServer | None,
                  server_key: tuple[str, int] | None) -> None:
@@ -402,8 +464,8 @@ class Group:
     @classmethod
     def create(
         cls,
-        host: str,
-        port: int,
+        host: str | None,
+        port: int | None,
         rank: int,
         world_size: int,
         *,
@@ -420,7 +482,9 @@ class Group:
         encrypt: bool = False,
         store_limits: StoreLimits | None = None,
         spin_us: float | None = None,
+        store: Any = None,
         _deadline: float | None = None,
+        _late_check: bool = True,
     ) -> Group:
         """Form a group through the store at ``(host, port)``.
 
@@ -476,6 +540,12 @@ class Group:
                 rank and beat number only).
             store_limits: what the store this rank hosts takes at most
                 (:class:`StoreLimits`; default ``StoreLimits()``).
+            store: form through another store than the one rank 0 hosts (``host`` and
+                ``port`` are then None): an etcd cluster, ``"etcd://HOST:PORT/PREFIX"``
+                (``pip install 'ctrlcomm[etcd]'``; each process's keys are on a lease, gone
+                10 s after it is), or a torch ``Store`` object (a ``TCPStore`` the job has
+                up already). Needs ``auth_key``: whoever reaches such a store can read
+                what formation keeps there.
             spin_us: with ``"shm"``, how long a wait for a same-host peer looks at the
                 shared memory before it sleeps in the kernel, in microseconds (default 50,
                 or ``CTRLCOMM_SPIN_US``; 0: never). It spins only where every rank of this
@@ -496,9 +566,11 @@ class Group:
                 were created with different world sizes, codecs or transports (named).
         """
         rank, world_size = _validate_world(rank, world_size)
+        host, port, host_store = _external_address(store, host, port, host_store)
         host = _check_host(host, "host")
         t, transport, port, key, encrypt = _formation_settings(name, timeout, transport, codec,
-                                                               port, auth_key, encrypt)
+                                                               port, auth_key, encrypt,
+                                                               store is not None)
         live = None if liveness_timeout is None else _seconds(liveness_timeout)
         if live is not None and not live > 0:
             raise InvalidArgumentError(f"liveness_timeout must be > 0 or None, got "
@@ -528,13 +600,21 @@ class Group:
                 bind_host = _bind_address(bind_host, deadline - time.monotonic())
             except TimeoutError as e:
                 raise FormationTimeoutError(f"{late}: bind_host: {e}") from None
-        server = _acquire_server(store_address, port, key, encrypt, store_limits) \
-            if host_store else None
+        try:
+            server = _acquire_server(store_address, port, key, encrypt, store_limits) \
+                if host_store else None
+        except StoreError:
+            # the port taken: by the store of a group of this name formed without this
+            # process, say (a second or restarted rank 0), which it is told, not "in use"
+            _formed_elsewhere(host, store_address, port, key, encrypt, rank, name, deadline)
+            raise
         dropped = server.dropped if server is not None else 0
-        store = ep = hb = None
+        external, store = store, None
+        ep = hb = None
         try:
             store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/",
-                                auth_key=key, encrypt=encrypt, _address=store_address)
+                                auth_key=key, encrypt=encrypt, _address=store_address) \
+                if external is None else open_external(external, name, t)
             # a store on every interface (host "0.0.0.0", as TRL's vLLM workers give it):
             # this rank is on the store's host (where a connection to 0.0.0.0 goes), and the
             # ranks elsewhere reach it by their own store address, which may be any interface
@@ -544,12 +624,11 @@ class Group:
                 bind_host = store_address if _wildcard(store_address) \
                     else local_address_for(store_address, port)
             warn_if_unkeyed(f"group {name!r}", bind_host, key)
-            ep = make_endpoint(transport, bind_host, zmq_context=zmq_context, encrypt=encrypt,
-                               spin_us=spin * 1e6)
-            hb = Heartbeat(bind_host, 0, rank, None, beat)
-            core = _form_core(_Joining(store, server, store_address, port, bind_host, ep, hb, rank,
-                                  world_size, name, codec, transport, key, t, deadline,
-                                  rank0_hosts, dropped), live)
+            setup = _Setup(host, store_address, port, bind_host, codec, transport, key, encrypt,
+                           zmq_context, beat, live, spin, t, external)
+            ep, hb = _new_parts(setup, rank)
+            core = _form_core(_Joining(store, server, setup, ep, hb, rank, world_size, name,
+                                       deadline, rank0_hosts, dropped, _late_check))
         except BaseException:
             if hb is not None:
                 hb.close()
@@ -560,8 +639,10 @@ class Group:
             if server is not None:
                 _release_server(store_address, port)
             raise
-        return cls(core, store=store, server=server,
-                   server_key=(store_address, port) if server is not None else None)
+        g = cls(core, store=store, server=server,
+                server_key=(store_address, port) if server is not None else None)
+        g._setup = setup
+        return g
 
     @classmethod
     def from_torch(cls, process_group: Any = None, **kwargs: Any) -> Group:
@@ -745,6 +826,153 @@ class Group:
             return c.recv_self(tag, f"recv(src={src}, tag={tag})")
         return run_sync(c, c.recv(src, tag, t))
 
+    # ---------------------------------------------------------- groups from this group
+
+    def split(self, color: int | None, key: int = 0, *, name: str | None = None,
+              timeout: float | None = None) -> Group | None:
+        """New groups of this group's ranks, as ``MPI_Comm_split``: collective (every rank
+        calls it); the ranks that give one ``color`` form a group, ranked by ``key``, then by
+        rank here; a rank whose color is ``None`` gets ``None``. No store: the ranks swap
+        their new addresses in one all_gather here. ``name``: the new group's (default:
+        this one's, a dot and the color); ``timeout``: as a collective's."""
+        sp = split_begin(self._core, self._setup, color, key, name)
+        return self._split_end(sp, self.all_gather(sp.item, timeout=timeout), "split")
+
+    def new_group(self, ranks: Sequence[int], *, name: str | None = None,
+                  timeout: float | None = None) -> Group | None:
+        """A group of ``ranks`` of this group, as ``torch.distributed.new_group``: collective
+        (every rank calls it, with the same ranks); ranked in the order of their ranks here;
+        a rank not in ``ranks`` gets ``None``."""
+        sp = split_begin(self._core, self._setup, None, 0, name, ranks)
+        return self._split_end(sp, self.all_gather(sp.item, timeout=timeout), "new_group")
+
+    def _split_end(self, sp: Any, got: list[Any], what: str) -> Group | None:
+        try:
+            made = split_end(sp, self._core, self._setup, got, self._core.seq - 1, what)
+        except BaseException:
+            sp.close()
+            raise
+        return None if made is None else self._child(made)
+
+    def shrink(self, timeout: float | None = None) -> Group:
+        """The group of the ranks of this one still alive, renumbered in their order here
+        (``parent_ranks`` keeps the old numbers): called by every survivor, after a
+        :class:`PeerLostError` or on a working group. Needs no store: the survivors agree
+        over their connections here, so it works when rank 0 (the store's host) is the one
+        lost, and every survivor gets the same group even where more ranks fail during it.
+        A rank taken for lost by the others (hung past ``liveness_timeout``) gets
+        :class:`GroupBrokenError`. This group stays as it is: close it."""
+        parts, attempt = self._shrink_begin(timeout)
+        try:
+            made = run_sync(self._core, shrink_plan(self._core, self._setup, parts, attempt,
+                                                    _timeout_arg(timeout, "shrink")))
+        except BaseException:
+            parts.close()
+            raise
+        return self._child(made)
+
+    def _shrink_begin(self, timeout: Any) -> tuple[Parts, int]:
+        _timeout_arg(timeout, "shrink")
+        if self._core.state == CLOSED:
+            self._core.check_open()  # (raises: a broken group may shrink, a closed one not)
+        self._shrinks += 1
+        return Parts(self._setup, self._core.size), self._shrinks
+
+    def grow(self, world_size: int, *, timeout: float | None = None) -> Group:
+        """This group's ranks and new processes, in a new group of ``world_size`` ranks:
+        collective here; the new processes call :meth:`join` (with this group's store
+        address and name). This group's ranks keep their numbers, the new ones come after
+        (``parent_ranks``: None for them). The store the new processes reach is this
+        group's, at the address it was created with: served by this group's rank 0 (it
+        takes the store's role where the rank that hosted it is gone, as after a
+        :meth:`shrink` that left out rank 0; it must be on the store's host then)."""
+        c, s = self._core, self._setup
+        size = _validate_world(0, world_size)[1]
+        t = _timeout_arg(timeout, "grow", c.rank) or c.timeout
+        deadline = time.monotonic() + t
+        if size <= c.size:
+            raise InvalidArgumentError(f"grow on rank {c.rank}: world_size must be above the "
+                                       f"group's {c.size}, got {size}")
+        served, why = None, ""
+        if c.rank == 0 and s.external is None:  # (the store this process serves, or a new
+            # one where it serves none)
+            try:
+                served = _acquire_server(s.store_address, s.port, s.key, s.encrypt)
+            except (StoreError, OSError) as e:
+                if not _answers(s):  # (else another process serves it: a parent's rank 0)
+                    why = (f"rank 0 cannot serve the group's store at {s.store_address}:"
+                           f"{s.port} ({e}), and no store answers there: the rank that "
+                           "served it is gone, and this one runs on another host (use an "
+                           "external store: `ctrlcomm store`)")
+        try:
+            said = self.all_gather([size, why], timeout=t)
+            sizes = sorted({int(x[0]) for x in said})
+            if len(sizes) > 1:
+                raise InvalidArgumentError(f"grow on group {c.name!r}: the ranks asked for "
+                                           f"different world sizes: {sizes}")
+            if said[0][1]:
+                raise StoreError(f"grow on group {c.name!r}: {said[0][1]}")
+            g = _grow(self, size, deadline)
+        except BaseException:
+            if served is not None:
+                _release_server(s.store_address, s.port)
+            raise
+        if served is not None:
+            g._server = served
+            g._keep_server((s.store_address, s.port))
+        g.parent_ranks = [*range(c.size), *[None] * (size - c.size)]
+        return g
+
+    @classmethod
+    def join(cls, host: str | None, port: int | None, name: str = "default", *, timeout: float = 300.0,
+             **kwargs: Any) -> Group:
+        """Join group ``name``, formed through the store at ``(host, port)``, as a new
+        rank, once its ranks call :meth:`grow`: waits for that, up to ``timeout``. The new
+        ranks are numbered in the order they join, after the group's. Keyword arguments are
+        :meth:`create`'s (they must match the group's: codec, transport, auth_key...)."""
+        if "rank" in kwargs or "world_size" in kwargs or "host_store" in kwargs:
+            raise InvalidArgumentError("Group.join: the rank and world size come from the "
+                                       "group that grows, and its rank 0 hosts the store")
+        t = _timeout_arg(timeout, "Group.join")
+        if t is None:
+            raise InvalidArgumentError("Group.join: timeout must be > 0 seconds, got None")
+        deadline = time.monotonic() + t
+        key = auth_key_or_env(kwargs.get("auth_key"))
+        external = kwargs.get("store")
+        store: Any
+        if external is not None:
+            _external_address(external, host, port, None)
+            store = open_external(external, name, t)
+        elif host is None or port is None:
+            raise InvalidArgumentError("Group.join: give the group's store host and port "
+                                       "(or its store=)")
+        else:
+            store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/",
+                                auth_key=key, encrypt=bool(kwargs.get("encrypt", False)))
+        with store:
+            try:
+                token, old, new = store.get(GROW, timeout=t).decode().split(" ")
+                ticket = store.add(f"{GROW}/{token}", 1, timeout=max(
+                    deadline - time.monotonic(), 0.001))
+            except StoreTimeoutError:
+                raise FormationTimeoutError(
+                    f"Group.join: group {name!r} did not grow within the timeout (its ranks "
+                    f"call grow; the store at {host}:{port} answered)") from None
+        rank = int(old) + ticket - 1
+        if rank >= int(new):
+            raise FormationError(f"Group.join: group {name!r} grows to {new} ranks, and "
+                                 f"{ticket} processes joined (this one is too many)")
+        g = cls.create(host, port, rank, int(new), name=name, timeout=t, host_store=False,
+                       _deadline=deadline, _late_check=False, **kwargs)
+        g.parent_ranks = [*range(int(old)), *[None] * (int(new) - int(old))]
+        return g
+
+    def _child(self, made: Made) -> Group:
+        g = type(self)(made.core, store=None, server=None, server_key=None)
+        g._setup = self._setup
+        g.parent_ranks = list(made.parent_ranks)
+        return g
+
     # -------------------------------------------------------------------- lifecycle
 
     def abort(self, reason: str = "aborted") -> None:
@@ -771,6 +999,11 @@ def _close_parts(core: Core, store: StoreClient | None,
     """What Group.close does, for a group collected without it."""
     core.close()
     if store is not None:
+        if core.rank == 0:  # its table goes: a new group of this name may form
+            try:
+                store.delete(FORMED, timeout=CLOSE_ASK_S)
+            except (StoreError, OSError):
+                pass  # (best effort: the store may be gone)
         store.close()
     if server_key is not None:
         _release_server(*server_key)
@@ -906,6 +1139,32 @@ class AioGroup:
                    timeout: float | None = None) -> Coroutine[Any, Any, list[Any]]:
         return _Awaited(self._core, "all_to_all", lambda: _run_async(
             self._core, _spec_all_to_all(self._core, objs), timeout))
+
+    async def split(self, color: int | None, key: int = 0, *, name: str | None = None,
+                    timeout: float | None = None) -> Group | None:
+        """:meth:`Group.split`, awaited."""
+        g = self._group
+        sp = split_begin(self._core, g._setup, color, key, name)
+        return g._split_end(sp, await self.all_gather(sp.item, timeout=timeout), "split")
+
+    async def new_group(self, ranks: Sequence[int], *, name: str | None = None,
+                        timeout: float | None = None) -> Group | None:
+        """:meth:`Group.new_group`, awaited."""
+        g = self._group
+        sp = split_begin(self._core, g._setup, None, 0, name, ranks)
+        return g._split_end(sp, await self.all_gather(sp.item, timeout=timeout), "new_group")
+
+    async def shrink(self, timeout: float | None = None) -> Group:
+        """:meth:`Group.shrink`, awaited."""
+        g = self._group
+        parts, attempt = g._shrink_begin(timeout)
+        try:
+            made = await run_async(self._core, shrink_plan(
+                self._core, g._setup, parts, attempt, _timeout_arg(timeout, "shrink")))
+        except BaseException:
+            parts.close()
+            raise
+        return g._child(made)
 
     async def send(self, obj: Any, dst: int, tag: int = 0, *,
                    timeout: float | None = None) -> None:

@@ -1590,7 +1590,7 @@ def created_with_key(rank, size, port, keys, slow0=False, timeout1=2.0):
         # rank 0 slow to make its sockets once its store is up (a loaded host): rank 1's
         # handshake fails meanwhile, before rank 0 starts to wait for it (and where rank
         # 1's side saw the mechanism differ first, ZeroMQ does not try again)
-        import ctrlcomm._group as cg
+        import ctrlcomm._forming as cg
         made = cg.make_endpoint
 
         def slowly(*a, **k):
@@ -1821,8 +1821,10 @@ def test_a_process_with_a_rank_of_a_group_formed_already_is_told_it_may_be_one_t
     res = run_ranks(duplicate_rank_after_formation, 3, free_port(), timeout=60)
     assert res[:2] == [("formed", "")] * 2, res
     kind, text = res[2]
-    assert kind == "FormationTimeoutError" and "rank 0 did not join" in text, res
-    assert "formed already without this process: with another process of rank 1" in text
+    # (told at once, from the table rank 0 keeps in the store while the group lives)
+    assert kind == "FormationError" and "formed without this process" in text, res
+    assert re.search(r"rank 1 joined from tcp://127\.0\.0\.1:\d+ by process \d+ of this "
+                     "host", text), text
 
 
 def from_env(rank, size, port, torchrun):

@@ -308,11 +308,13 @@ class Core(_Mailbox):
         self.brk(e)
 
     def send(self, obj: Any, dst: int | tuple[int, ...], tag: int, timeout: float | None,
-             what: str = "") -> Wait:
+             what: str = "", broken_ok: bool = False) -> Wait:
         """Point to point: ``obj`` to ``dst``, or to each rank of a tuple (encoded once).
         ``what`` names the call in errors (default: ``send(dst=..., tag=...)``). It runs
-        beside any other call: it waits for none (but a backlog: _backpressure)."""
-        self.check_open()
+        beside any other call: it waits for none (but a backlog: _backpressure).
+        ``broken_ok``: it runs on a broken group too, as a shrink's survivors talk there."""
+        if self.state != OPEN:
+            self.check_usable(broken_ok)
         dsts = dst if isinstance(dst, tuple) else (dst,)
         name = what  # (or the default: _send_name)
         self._look(dsts, name, dst=dst, tag=tag)
@@ -339,15 +341,17 @@ class Core(_Mailbox):
         if self._deferred:  # asked for while this call ran
             self.run_deferred_here()
 
-    def recv(self, src: int, tag: int, timeout: float | None, what: str = "") -> Wait:
-        """The next message of ``src`` with ``tag``; ``what`` names the call in errors.
+    def recv(self, src: int, tag: int, timeout: float | None, what: str = "",
+             broken_ok: bool = False) -> Wait:
+        """The next message of ``src`` with ``tag``; ``what`` names the call in errors;
+        ``broken_ok``: as for :meth:`send`.
 
         Receives of one (src, tag) take its messages in the order they were called: each
         waits in that line (``_lines``) until it is first. The first receive to wait takes
         the lead where no call has it (it sleeps on the endpoint, and, first in its line,
         names what it waits for to it: _expect); the others follow (see the package's
         docstring)."""
-        self.check_open()
+        stop = self.check_usable(broken_ok)
         p2p, key = self.p2p, (src, tag)
         lines = self._lines
         line = lines.get(key)
@@ -377,7 +381,7 @@ class Core(_Mailbox):
                     q = p2p.get(key)
                     if q:
                         return self._next_of(key, q, name)
-                if self.state == BROKEN:  # (as a collective's wait raises it)
+                if self.state == stop:
                     raise self._broken_in_recv(name)
                 delay = self._wait([src], deadline, t, name, None, st=me)
                 if not lead:

@@ -45,6 +45,14 @@ class _Session(_Sending):
         if self.state == BROKEN:
             raise self._broken_error()
 
+    def check_usable(self, broken_ok: bool) -> str:
+        """As :meth:`check_open`, but a broken group too where ``broken_ok``; returns the
+        state in which a wait of the call raises as a collective's does (BROKEN; none where
+        ``broken_ok``)."""
+        if self.state != OPEN and not (broken_ok and self.state == BROKEN):
+            self.check_open()
+        return "" if broken_ok else BROKEN
+
     def _broken_error(self) -> GroupBrokenError:
         """What a call raises on the group broken by :attr:`cause`: a PeerLostError where
         a peer was lost (it died, closed or aborted: as the call that saw it raised), naming

@@ -149,7 +149,9 @@ def _not_joined(missing: list[int], gave_up: list[int]) -> str:
 _ALIKE_WORDS = {"ws": "world size", "codec": "codec", "tr": "transport", "wire": "wire version"}
 ASK_S = 0.5  # how long a formation that timed out asks the store why
 SETTLE_S = 2.0  # how long rank 0 waits for the others to read that the group is formed
-DIFFER_CHECK_S = 1.0  # how often rank 0, waiting for ranks, compares the settings of those in
+# how often rank 0, waiting for ranks, compares the settings of those in (and a rank waiting
+# for rank 0 looks whether the group formed without it: FORMED)
+DIFFER_CHECK_S = 0.5
 # Where, in a group's namespace of the store, formation keeps its keys (deleted once the group
 # is formed): apart from the keys the ranks set through the group's store client (Group.store)
 FORMATION = "ctrlcomm:formation/"
@@ -158,6 +160,54 @@ FORMATION = "ctrlcomm:formation/"
 # of rank 0's address line it knew: only a mark of the try a rank is in counts (one of an
 # earlier try of this name, never deleted where that try failed, does not).
 GAVE_UP = f"{FORMATION}gave-up/"
+# The table of the group formed under a name, kept by its rank 0 until it closes the group: a
+# rank that comes after formation (a restarted process, or a duplicate) reads there at once
+# that the group formed without it, and which process holds its rank, instead of waiting out
+# its deadline for ranks that will never come. (Not under FORMATION: a prefix deleted there
+# by a failed try must not take it.)
+FORMED = "ctrlcomm:formed"
+
+
+def _proc_gone(line: str) -> bool:
+    """Whether the process that published address ``line`` is this one, or one of this host
+    that no longer runs (a stale FORMED table: its rank 0 died without closing, with the
+    store elsewhere). A process of another host is taken to run."""
+    rec = _record(line)
+    proc = next(iter(rec.named("proc")), "").split(":") if rec is not None else []
+    mine = proc_address().split(":")
+    if len(proc) != 4 or len(mine) != 4 or proc[1] != mine[1]:
+        return False
+    if proc[2] == mine[2]:
+        return True
+    try:
+        with open(f"/proc/{int(proc[2])}/stat", "rb") as f:
+            st = f.read()
+        fields = st[st.rindex(b")") + 2:].split()
+        return int(fields[19]) != int(proc[3]) or fields[0] in (b"Z", b"X")
+    except (OSError, ValueError, IndexError):
+        return True
+
+
+def _formed_without(store: StoreClient, rank: int, name: str, deadline: float,
+                    mine: str = "") -> None:
+    """Raise FormationError where group ``name`` formed already without this process (its
+    FORMED table holds rank ``rank``, published by a process that runs and is not this one;
+    ``mine``: this try's own line, which a table of its own formation holds)."""
+    try:
+        text = store.get(FORMED, wait=False, timeout=min(_left(deadline), ASK_S)).decode()
+    except (KeyError, StoreError):
+        return
+    lines = text.split("\n")
+    if len(lines) < 2 or rank + 1 >= len(lines) or lines[rank + 1] == mine:
+        return
+    holder = lines[rank + 1]
+    if _proc_gone(holder) or _proc_gone(lines[1]):
+        return
+    raise FormationError(
+        f"group {name!r} formed without this process: it has {len(lines) - 1} ranks, and "
+        f"rank {rank} joined {_joined_from(holder.encode())} (a restarted or duplicate "
+        "process: give the group another name, or have its members admit new processes "
+        "with Group.grow and Group.join)")
 
 
 def _alike(address: str) -> dict[str, str]:
@@ -211,7 +261,8 @@ def _silent_store(store: StoreClient, name: str, rank: int, rank0_hosts: bool,
 
 
 def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: str,
-                deadline: float, rank0_hosts: bool = True) -> tuple[str, str, dict[int, str]]:
+                deadline: float, rank0_hosts: bool = True, late_check: bool = True
+                ) -> tuple[str, str, dict[int, str]]:
     """Publish this rank's address; return (nonce, secret, {rank: address}) of the formed
     group.
 
@@ -227,7 +278,16 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     (:func:`_withdraw`); the acknowledgements are counted per table (its nonce), so that a
     late one of a failed try never counts toward the next. ``rank0_hosts``: whether the store
     is rank 0's (Group.create's default), for the error where it answers nothing.
+    ``late_check``: whether to look for a group of this name formed already (FORMED), as
+    a new group's ranks do (not those of a group that grows: it is formed under its name).
     """
+    if late_check:
+        try:
+            _formed_without(store, rank, name, deadline)
+        except StoreTimeoutError as e:
+            if e.answered:
+                raise
+            raise _silent_store(store, name, rank, rank0_hosts) from None
     try:
         ok, held = store.set_if_absent(f"{FORMATION}rank/{rank}", address,
                                        timeout=max(deadline - time.monotonic(), 0.001))
@@ -245,7 +305,8 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     # (and "rank0": the token of rank 0's address line, once known)
     done: dict[str, str] = {"rank0": _token(address)} if rank == 0 else {}
     try:
-        return _join(store, address, rank, size, name, deadline, done, rank0_hosts)
+        return _join(store, address, rank, size, name, deadline, done, rank0_hosts,
+                     late_check)
     except BaseException:
         if "differ" not in done:
             _withdraw(store, rank, "table" in done, done.get("rank0", ""))
@@ -272,7 +333,7 @@ def _withdraw(store: StoreClient, rank: int, table: bool, token: str) -> None:
 
 
 def _wait_for_ranks(store: StoreClient, keys: list[str], name: str, address: str,
-                    deadline: float, done: dict[str, str]) -> None:
+                    deadline: float, done: dict[str, str], late_check: bool) -> None:
     """Rank 0: wait until every rank's key is set (raises the last StoreTimeoutError at the
     deadline). Every :data:`DIFFER_CHECK_S` s meanwhile it compares the settings of the ranks
     that joined with its own: where one differs (a rank created with another world size,
@@ -289,6 +350,8 @@ def _wait_for_ranks(store: StoreClient, keys: list[str], name: str, address: str
         except StoreTimeoutError as e:
             if last or not e.answered:
                 raise
+        if late_check:
+            _formed_without(store, 0, name, deadline, address)
         try:
             have = store.exists(keys[1:], timeout=ASK_S)
             joined = [k for k, h in zip(keys[1:], have, strict=True) if h]
@@ -307,13 +370,13 @@ def _wait_for_ranks(store: StoreClient, keys: list[str], name: str, address: str
 
 
 def _join(store: StoreClient, address: str, rank: int, size: int, name: str,
-          deadline: float, done: dict[str, str], rank0_hosts: bool = True
-          ) -> tuple[str, str, dict[int, str]]:
+          deadline: float, done: dict[str, str], rank0_hosts: bool = True,
+          late_check: bool = True) -> tuple[str, str, dict[int, str]]:
     """:func:`_rendezvous` once this rank's key is set; ``done``: see there."""
     keys = [f"{FORMATION}rank/{r}" for r in range(size)]
     if rank == 0:
-        return _lead(store, keys, address, name, deadline, done, rank0_hosts)
-    return _follow(store, keys, address, rank, name, deadline, done, rank0_hosts)
+        return _lead(store, keys, address, name, deadline, done, rank0_hosts, late_check)
+    return _follow(store, keys, address, rank, name, deadline, done, rank0_hosts, late_check)
 
 
 def _left(deadline: float) -> float:
@@ -321,12 +384,13 @@ def _left(deadline: float) -> float:
 
 
 def _lead(store: StoreClient, keys: list[str], address: str, name: str, deadline: float,
-          done: dict[str, str], rank0_hosts: bool) -> tuple[str, str, dict[int, str]]:
+          done: dict[str, str], rank0_hosts: bool, late_check: bool
+          ) -> tuple[str, str, dict[int, str]]:
     """Rank 0's part of :func:`_join`: wait for the ranks, publish the table and the
     secrets, wait for the formation to settle."""
     size = len(keys)
     try:
-        _wait_for_ranks(store, keys, name, address, deadline, done)
+        _wait_for_ranks(store, keys, name, address, deadline, done, late_check)
     except StoreTimeoutError as e:
         raise _ranks_missing(store, keys, e, name, address, done) from None
     addrs = [a.decode() for a in store.multi_get(keys, timeout=_left(deadline))]
@@ -347,7 +411,9 @@ def _lead(store: StoreClient, keys: list[str], address: str, name: str, deadline
     # the group at once, one may be in the next formation of this name already (a
     # prefix deleted would take its key). Each other rank deleted its own key (and
     # the last to read the settlement its counters: _settled).
+    table = "\n".join([nonce, *addrs])
     try:  # (best effort: formed; rank 0's wait in _settled may have reached the deadline)
+        store.set(FORMED, table, timeout=ASK_S)
         store.multi_delete([keys[0], f"{FORMATION}table",
                             *(f"{GAVE_UP}{r}" for r in range(size)),
                             *(f"{FORMATION}secret/{r}" for r in range(1, size))],
@@ -386,7 +452,7 @@ def _ranks_missing(store: StoreClient, keys: list[str], e: StoreTimeoutError, na
 
 
 def _follow(store: StoreClient, keys: list[str], address: str, rank: int, name: str,
-            deadline: float, done: dict[str, str], rank0_hosts: bool
+            deadline: float, done: dict[str, str], rank0_hosts: bool, late_check: bool
             ) -> tuple[str, str, dict[int, str]]:
     """The part of :func:`_join` of a rank other than 0: read rank 0's settings, then the
     table and this rank's secret, and acknowledge."""
@@ -394,7 +460,7 @@ def _follow(store: StoreClient, keys: list[str], address: str, rank: int, name: 
     # rank 0's settings, as soon as it has joined: a rank created otherwise says so at once
     # (rank 0, waiting for ranks that never come, says it at its deadline)
     try:
-        first = store.get(keys[0], timeout=_left(deadline)).decode()
+        first = _rank0(store, keys[0], rank, name, deadline, late_check)
     except StoreTimeoutError as e:
         if not e.answered:
             raise _silent_store(store, name, rank, rank0_hosts) from None
@@ -435,6 +501,21 @@ def _follow(store: StoreClient, keys: list[str], address: str, rank: int, name: 
         known = b"1" if ok else held
     _settled(store, nonce, rank, size, name, deadline, known, rank0_hosts)
     return nonce, secret, dict(enumerate(lines[1:]))
+
+
+def _rank0(store: StoreClient, key: str, rank: int, name: str, deadline: float,
+           late_check: bool) -> str:
+    """Rank 0's address line, waited for until ``deadline``; every DIFFER_CHECK_S
+    meanwhile (``late_check``), a look whether the group formed without this process."""
+    while True:
+        left = _left(deadline)
+        try:
+            return store.get(key, timeout=min(left, DIFFER_CHECK_S) if late_check
+                             else left).decode()
+        except StoreTimeoutError as e:
+            if not late_check or not e.answered or left <= DIFFER_CHECK_S:
+                raise
+        _formed_without(store, rank, name, deadline)
 
 
 def _table(store: StoreClient, address: str, rank: int, size: int, name: str,
