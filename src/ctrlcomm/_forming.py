@@ -211,10 +211,10 @@ def split_begin(core: Core, setup: _Setup, color: Any, key: Any, name: Any,
     return Split([color, key, parts.line if parts else "", name, rs], parts)
 
 
-def split_end(sp: Split, core: Core, setup: _Setup, got: list[Any], seq: int,
-              what: str) -> Made | None:
-    """The new group of this rank, from what every rank gave the parent's all_gather (#
-    ``seq``), or None where this rank's color is None."""
+def split_end(sp: Split, core: Core, setup: _Setup, got: list[Any], what: str
+              ) -> Made | None:
+    """The new group of this rank, from what every rank gave the parent's all_gather, or
+    None where this rank's color is None."""
     color, _, _, name, ranks = sp.item
     try:
         items = [list(it) for it in got]
@@ -235,9 +235,11 @@ def split_end(sp: Split, core: Core, setup: _Setup, got: list[Any], seq: int,
     if len(names) > 1:
         raise InvalidArgumentError(f"{what} on group {core.name!r}: the ranks of color {color} "
                                    f"gave different names: {names}")
-    nonce = hashlib.blake2b(f"{core.group_id}/{seq}/{color}".encode(),
-                            digest_size=8).hexdigest()
     table = {i: str(items[r][2]) for i, r in enumerate(members)}
+    # (from what every member has alike: the members' records, each with its own random
+    # join token, so a nonce of this split only)
+    nonce = hashlib.blake2b("\n".join([str(core.group_id), *table.values()]).encode(),
+                            digest_size=8).hexdigest()
     assert sp.parts is not None
     made = sp.parts.make(setup, members.index(core.rank), name, nonce,
                          _child_secret(core.key, nonce), table)

@@ -848,7 +848,7 @@ class Group:
 
     def _split_end(self, sp: Any, got: list[Any], what: str) -> Group | None:
         try:
-            made = split_end(sp, self._core, self._setup, got, self._core.seq - 1, what)
+            made = split_end(sp, self._core, self._setup, got, what)
         except BaseException:
             sp.close()
             raise

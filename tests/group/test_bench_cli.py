@@ -1118,3 +1118,25 @@ def test_p99_is_the_nearest_rank_percentile():
     # (it was the sample at int(0.99 n): of 100, the largest; of 1000, the 991st)
     assert _p99(list(range(1, 101))) == 99 and _p99(list(range(1, 1001))) == 990
     assert _p99([7.0]) == 7.0 and _p99([2, 5, 9]) == 9 and _p99(list(range(1, 201))) == 198
+
+
+def test_bench_formation_compares_with_gloo_and_writes_json(tmp_path):
+    pytest.importorskip("torch.distributed")
+    out = tmp_path / "f.json"
+    p = run("--formation", "-n", "2,3", "--against", "gloo", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [line.split()[0] for line in lines[-2:]] == ["2", "3"], p.stdout
+    head = next(line for line in lines if line.strip().startswith("ranks"))
+    assert head.split() == ["ranks", "ctrlcomm", "gloo"], head
+    rows = json.loads(out.read_text())["formation"]
+    assert {(r["n"], r["system"]) for r in rows} == {(n, s) for n in (2, 3)
+                                                     for s in ("ctrlcomm", "gloo")}
+    assert all(len(r["s"]) == 1 and 0 < r["s"][0] < 60 for r in rows)
+
+
+def test_bench_formation_refuses_what_it_does_not_take():
+    p = run("--formation", "--ops", "barrier")
+    assert p.returncode == 2 and "--formation takes" in p.stderr
+    p = run("--formation", "--against", "mpi")
+    assert p.returncode == 2 and "use gloo, vllm" in p.stderr

@@ -19,6 +19,22 @@ def _create(rank, size, port, name, **kw):
     return ctrlcomm.Group.create("127.0.0.1", port, rank, size, name=name, **kw)
 
 
+def kill_and_see(g, rank, victims):
+    """Kill ``victims`` (kill -9) once every rank is past a first barrier (a victim's
+    all_reduce returns only once every rank is in it), and return the ranks the survivors
+    see lost."""
+    g.barrier()
+    if rank in victims:
+        g.all_reduce(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        g.all_reduce(0)
+        g.barrier()
+    except ctrlcomm.PeerLostError as e:
+        return sorted(e.ranks)
+    raise AssertionError("no loss seen")
+
+
 # ---------------------------------------------------------------------------- split
 
 
@@ -186,15 +202,7 @@ def reserved(rank, size, port):
 
 def shrinks(rank, size, port, victims, awaited):
     g = _create(rank, size, port, "shrink", liveness_timeout=2.0)
-    g.barrier()
-    if rank in victims:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        g.all_reduce(rank)
-    except ctrlcomm.PeerLostError as e:
-        lost = sorted(e.ranks)
-    else:
-        raise AssertionError("no loss seen")
+    lost = kill_and_see(g, rank, victims)
     s = asyncio.run(g.aio.shrink()) if awaited else g.shrink()
     out = (lost, s.rank, s.world_size, s.parent_ranks, s.all_gather(rank), s.all_reduce(1))
     s.close()
@@ -232,13 +240,7 @@ def test_shrink_of_a_working_group_keeps_every_rank():
 
 def dies_during_shrink(rank, size, port, victim, delay):
     g = _create(rank, size, port, "during", liveness_timeout=2.0)
-    g.barrier()
-    if rank == size - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        g.barrier()
-    except ctrlcomm.PeerLostError:
-        pass
+    kill_and_see(g, rank, (size - 1,))
     if rank == victim:  # killed as the shrink runs (it takes a few ms), at some point of it
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
     s = g.shrink()
@@ -274,13 +276,7 @@ def test_survivors_agree_where_a_rank_dies_during_the_shrink(victim, delay):
 
 def shrink16(rank, size, port):
     g = _create(rank, size, port, "w16", liveness_timeout=5.0)
-    g.barrier()
-    if rank == 7:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        g.barrier()
-    except ctrlcomm.PeerLostError:
-        pass
+    kill_and_see(g, rank, (7,))
     s = g.shrink()
     return s.parent_ranks, s.all_reduce(rank)
 
@@ -302,13 +298,7 @@ def grows(rank, size, port, victim, joiners):
         with g:
             return "new", g.rank, g.world_size, g.parent_ranks, g.all_gather(rank)
     g = _create(rank, size, port, "grow", liveness_timeout=2.0)
-    g.barrier()
-    if rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        g.barrier()
-    except ctrlcomm.PeerLostError:
-        pass
+    kill_and_see(g, rank, (victim,))
     s = g.shrink()
     with s.grow(size) as big:
         return "old", big.rank, big.world_size, big.parent_ranks, big.all_gather(rank)

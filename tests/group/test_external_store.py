@@ -88,9 +88,11 @@ def grows_through_etcd(rank, size, url):
     g = ctrlcomm.Group.create(None, None, rank, size, name="eg", timeout=30, auth_key=KEY,
                               store=url, liveness_timeout=2.0)
     g.barrier()
-    if rank == 0:
+    if rank == 0:  # (once every rank is in the all_reduce: past the barrier)
+        g.all_reduce(0)
         os.kill(os.getpid(), signal.SIGKILL)
     try:
+        g.all_reduce(0)
         g.barrier()
     except ctrlcomm.PeerLostError:
         pass

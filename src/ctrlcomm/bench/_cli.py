@@ -120,8 +120,40 @@ def _bench(args: argparse.Namespace) -> int:
         return e.code
 
 
+def _formation(args: argparse.Namespace) -> int:
+    """``ctrlcomm bench --formation``."""
+    import json
+
+    from . import _formation as f
+
+    others = [x for x in RUN_OPTIONS if x not in ("n", "repeat", "against")
+              and getattr(args, x) not in (None, False)]
+    if others or args.plot or args.from_json:
+        raise _Stop(2, "--formation takes -n, --repeat, --against and --json only")
+    asked = [s.strip() for s in (args.against or "gloo,vllm").split(",") if s.strip()]
+    unknown = [s for s in asked if s not in f.SYSTEMS[1:]]
+    if unknown:
+        raise _Stop(2, f"--formation --against: {', '.join(unknown)}: use gloo, vllm")
+    systems = ["ctrlcomm", *f.available(asked)]
+    missing = [s for s in asked if s not in systems]
+    if missing:
+        print(f"not installed, not compared: {', '.join(missing)}", file=sys.stderr)
+    sizes = args.n or [16, 64, 256]
+    print(f"formation, from every process ready to every group formed ({args.repeat or 1} "
+          "each):", flush=True)
+    rows = f.run(sizes, systems, args.repeat or 1)
+    print(f.table(rows))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"formation": rows}, out, indent=1)
+    return 0
+
+
 def _bench_or_stop(args: argparse.Namespace) -> int:
     from . import _run as b
+
+    if args.formation:
+        return _formation(args)
 
     _check_settings(args)
     cfg = _config(args)
@@ -435,4 +467,9 @@ def add_bench_parser(sub: Any) -> None:
     bp.add_argument("--world-size", type=_int_in(1),
                     help="multi-host run: the number of ranks (one process each, started "
                          "with the same options)")
+    bp.add_argument("--formation", action="store_true",
+                    help="measure formation instead: from every process ready to every "
+                         "group formed, at each -n, against torch's gloo and vLLM's "
+                         "StatelessProcessGroup where they import (or --against gloo,vllm); "
+                         "--repeat times each, the best shown")
     bp.set_defaults(func=_bench_main)

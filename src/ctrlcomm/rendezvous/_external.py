@@ -115,6 +115,11 @@ class _Polled:
     def set(self, key: str | bytes, value: str | bytes, *, timeout: Any = None) -> None:
         self._call(self._put, self._k(key), _b(value))
 
+    def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes], *,
+                  timeout: Any = None) -> None:
+        for k, v in zip(keys, values, strict=True):
+            self.set(k, v)
+
     def set_if_absent(self, key: str | bytes, value: str | bytes, *, timeout: Any = None
                       ) -> tuple[bool, bytes]:
         held = self._call(self._put_if_absent, self._k(key), _b(value))

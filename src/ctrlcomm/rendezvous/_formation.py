@@ -401,8 +401,9 @@ def _lead(store: StoreClient, keys: list[str], address: str, name: str, deadline
         raise FormationError(differ)
     nonce, secret = os.urandom(8).hex(), os.urandom(32).hex()
     done["table"] = ""
-    for r in range(1, size):
-        store.set(f"{FORMATION}secret/{r}", secret, timeout=_left(deadline))
+    if size > 1:
+        store.multi_set([f"{FORMATION}secret/{r}" for r in range(1, size)], [secret] * (size - 1),
+                        timeout=_left(deadline))
     store.set(f"{FORMATION}table", "\n".join([nonce, *addrs]), timeout=_left(deadline))
     if size > 1:
         _settled(store, nonce, 0, size, name, deadline, rank0_hosts=rank0_hosts)

@@ -10,7 +10,6 @@ from collections.abc import Awaitable
 from typing import Any
 
 from .._endpoint import PROCESS_EXITED, LostCallback
-from ._net import _proc_stat
 
 
 class _Bell:
@@ -91,17 +90,16 @@ class PidWatch:
         self.fd = self.ep.fileno()
         self.ranks: dict[int, int] = {}  # by pidfd
         self.gone: list[int] = []  # ranks whose process had exited before it was watched
-        for rank, (pid, start) in procs.items():
+        # (the start time is not compared: a pid that is a later process's means the peer
+        # exited, and that process's exit then tells it, or heartbeats do; a look in /proc
+        # per peer was most of a 256-rank group's formation here)
+        for rank, (pid, _) in procs.items():
             try:
                 pfd = os.pidfd_open(pid)
             except ProcessLookupError:
                 self.gone.append(rank)
                 continue
             except (OSError, AttributeError):  # (no pidfds here: heartbeats tell)
-                continue
-            if _start_time(pid) != start:  # the pid is a later process's: the peer's exited
-                os.close(pfd)
-                self.gone.append(rank)
                 continue
             self.ep.register(pfd, select.EPOLLIN)
             self.ranks[pfd] = rank
@@ -130,11 +128,3 @@ class PidWatch:
             os.close(pfd)
         self.ranks = {}
         self.ep.close()
-
-
-def _start_time(pid: int) -> int:
-    """``pid``'s start time (as ``_net.proc_address`` gives it), or -1 where it has none."""
-    try:
-        return int(_proc_stat(f"/proc/{pid}/stat")[19])
-    except (OSError, ValueError, IndexError):
-        return -1
