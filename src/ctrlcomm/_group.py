@@ -999,7 +999,8 @@ def _close_parts(core: Core, store: StoreClient | None,
     """What Group.close does, for a group collected without it."""
     core.close()
     if store is not None:
-        if core.rank == 0:  # its table goes: a new group of this name may form
+        if core.rank == 0 and not getattr(store, "leased", False):  # its table goes: a new
+            # group of this name may form (etcd's goes with the lease, as the client closes)
             try:
                 store.delete(FORMED, timeout=CLOSE_ASK_S)
             except (StoreError, OSError):

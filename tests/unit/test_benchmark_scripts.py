@@ -57,3 +57,9 @@ def test_targets_counts_each_ratio_against_its_bound():
     assert "| ctrlcomm / MPI <= 1.5x (w2) / 2x | 1.25 [2], 1.25 [2]" in text, text
     assert "| awaited / MPI blocking <= 3x (w2) | 2.00 [2]" in text, text
     assert "CPU" not in text  # (the late-peer figure of benchmarks/shm_wait.py instead)
+
+
+def test_formation_counts_runs_the_protocol_and_counts(capsys):
+    _load("formation_counts").count(16)
+    out = capsys.readouterr().out
+    assert out.startswith("16 ranks: requests per rank 10-11 (rank 0: "), out

@@ -24,6 +24,7 @@ from ._client import port_arg
 
 POLL_MIN_S, POLL_MAX_S = 0.002, 0.05  # a wait looks again after this, doubling, at most
 LEASE_TTL_S = 10  # an etcd client's keys outlive its process by this at most
+HTTP_TIMEOUT_S = 5.0  # an etcd request's deadline
 
 
 def _b(v: str | bytes) -> bytes:
@@ -171,7 +172,9 @@ class EtcdStore(_Polled):
         root = parts.path.strip("/")
         super().__init__(f"{root}/{prefix}" if root else prefix, timeout)
         self.what = f"etcd at {self.host}:{self.port}"
-        self._c = Etcd3Client(host=self.host, port=self.port, timeout=max(timeout, 1.0))
+        # (each request is short, a wait being looks repeated: a request that takes longer
+        # than HTTP_TIMEOUT_S finds etcd gone, not busy)
+        self._c = Etcd3Client(host=self.host, port=self.port, timeout=HTTP_TIMEOUT_S)
         self._closed = threading.Event()
         self._lease = self._call(self._c.lease, LEASE_TTL_S)
         self._renewer = threading.Thread(target=self._renew, daemon=True,
@@ -238,11 +241,18 @@ class EtcdStore(_Polled):
     def _delete_prefix(self, prefix: str) -> int:
         return int(bool(self._c.delete_prefix(prefix)))
 
+    leased = True  # (its keys go as it closes: none to delete first)
+
     def close(self) -> None:
+        """Revoke the lease, which deletes this client's keys: in a thread, so that a close
+        never waits for an etcd that is gone (they expire then)."""
         if self._closed.is_set():
             return
         self._closed.set()
-        try:  # (its keys go with it)
+        threading.Thread(target=self._revoke, daemon=True, name="ctrlcomm-etcd-close").start()
+
+    def _revoke(self) -> None:
+        try:
             self._lease.revoke()
         except Exception:  # noqa: BLE001  (etcd gone: they expire)
             pass
