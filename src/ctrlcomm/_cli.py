@@ -1,4 +1,4 @@
-"""Command line: ctrlcomm store and ctrlcomm bench."""
+"""Command line: ctrlcomm store, ctrlcomm run and ctrlcomm bench."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from ._launch import add_run_parser
 from .bench._cli import _port_from, add_bench_parser
 
 
@@ -38,7 +39,10 @@ def _store(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="ctrlcomm", description=__doc__)
+    p.add_argument("--version", action="version", version=f"ctrlcomm {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("store", help="run a rendezvous store alone")
@@ -49,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="CurveZMQ encryption (for groups made with encrypt=True)")
     s.set_defaults(func=_store)
 
+    add_run_parser(sub)
     add_bench_parser(sub)
 
     argv = list(sys.argv[1:] if argv is None else argv)
