@@ -7,6 +7,8 @@ asyncio driver. Both views share one :class:`ctrlcomm._core.Core`, hence one seq
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import ipaddress
 import logging
 import os
@@ -365,6 +367,22 @@ def _formed_elsewhere(host: str, address: str, port: int, key: bytes | None, enc
         pass
 
 
+async def _in_thread(make: Callable[[], Group]) -> Group:
+    """``make()`` (a formation) in the running loop's executor; the group it makes once the
+    awaiting task was cancelled is closed."""
+    fut = asyncio.get_running_loop().run_in_executor(None, make)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(_close_formed)
+        raise
+
+
+def _close_formed(fut: asyncio.Future[Group]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().close()
+
+
 def _answers(s: _Setup) -> bool:
     """Whether a store answers at the address of the store of a group made with ``s``."""
     try:
@@ -652,6 +670,21 @@ class Group:
         from ._torchgroup import form
 
         return form(cls, process_group, **kwargs)
+
+    @classmethod
+    async def acreate(cls, host: str | None, port: int | None, rank: int, world_size: int,
+                      **kwargs: Any) -> Group:
+        """:meth:`create`, awaited: formation runs in a thread of the event loop's executor,
+        so the loop goes on meanwhile (its waits release the GIL; its bursts of work, a few
+        milliseconds, share it). Cancelled, the task ends at once; a group formed after
+        that is closed (formation itself ends at its deadline at the latest)."""
+        return await _in_thread(functools.partial(cls.create, host, port, rank, world_size,
+                                                  **kwargs))
+
+    @classmethod
+    async def afrom_env(cls, **kwargs: Any) -> Group:
+        """:meth:`from_env`, awaited (as :meth:`acreate`)."""
+        return await _in_thread(functools.partial(cls.from_env, **kwargs))
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> Group:
