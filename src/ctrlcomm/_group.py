@@ -507,11 +507,12 @@ class Group:
         """Form a group through the store at ``(host, port)``.
 
         Args:
-            host: the store's address. By default rank 0 hosts the store there.
+            host: the store's address (None with ``store=``). By default rank 0 hosts the
+                store there.
                 ``"0.0.0.0"`` (or ``"::"``, on the store's host): the store, and the ranks
                 given it, listen on every interface, and ranks on other hosts, given an
                 address of that host, reach them there (as TRL's vLLM workers and trainer do).
-            port: the store's port.
+            port: the store's port (None with ``store=``).
             rank: this process's rank, ``0 <= rank < world_size``.
             world_size: number of ranks.
             name: the group's name; several groups can share one store under distinct names.
