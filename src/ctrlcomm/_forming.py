@@ -83,7 +83,7 @@ def _make_core(s: _Setup, ep: Endpoint, hb: Heartbeat, rank: int, size: int, nam
         raise FormationError(f"group {name!r}: {e}") from None
     gid = _group_id(name, nonce)
     mac_key = _group_key(secret, gid, s.key)
-    hb.group_id, hb.key = gid, mac_key
+    hb.group_id, hb.key, hb.rank = gid, mac_key, rank
     procs = {r: p[0] for r, a in records.items() if (p := a.named("proc"))}
     here = same_host_procs(procs, proc_address())
     hb.start({r: (_host_of(peers[r]), a.udp_port) for r, a in records.items() if r != rank},
@@ -144,11 +144,14 @@ class Parts:
 
     def __init__(self, setup: _Setup, size: int) -> None:
         self.ep, self.hb = _new_parts(setup, 0)
-        self.line = _address_record(self.ep, self.hb, setup, size)
+        try:
+            self.line = _address_record(self.ep, self.hb, setup, size)
+        except BaseException:
+            self.close()
+            raise
 
     def make(self, setup: _Setup, rank: int, name: str, nonce: str, secret: str,
              table: dict[int, str]) -> Core:
-        self.hb.rank = rank
         core = _make_core(setup, self.ep, self.hb, rank, len(table), name, nonce, secret,
                           table)
         self.ep = self.hb = None  # type: ignore[assignment]  # (the core's now)
@@ -281,6 +284,11 @@ def shrink_plan(core: Core, setup: _Setup, parts: Parts, attempt: int,
     t = core.timeout if timeout is None else timeout
     deadline = time.monotonic() + t
     me, n, name = core.rank, core.size, "shrink"
+    # gone means seen gone here (its connection's end, its process's exit, its heartbeats'
+    # silence, its goodbye): a rank that aborted, or that another rank reported lost, may
+    # be alive and in this shrink, and is waited for until it is seen gone itself (else a
+    # slow rank that the others' timeouts aborted would shrink to a group of its own)
+    core.forget_hearsay()
     # every survivor's address record, from each rank not known gone
     for d in range(n):
         if d != me and d not in core.gone:

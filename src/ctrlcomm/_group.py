@@ -66,11 +66,12 @@ from ._forming import (
 )
 from ._lifecycle import CLOSED
 from .rendezvous._client import StoreClient, _check_host, _store_host, port_arg
-from .rendezvous._external import open_external
+from .rendezvous._external import open_external, torch_store_address
 from .rendezvous._formation import (
     FORMED,
     _bind_address,
     _formed_without,
+    _group_id,
     _rendezvous,
 )
 from .rendezvous._hosting import _acquire_server, _release_server
@@ -343,8 +344,7 @@ def _external_address(store: Any, host: Any, port: Any, host_store: Any
         except ValueError:
             raise InvalidArgumentError(f"store={store!r}: give etcd://HOST:PORT/PREFIX") \
                 from None
-    return (str(getattr(store, "host", "") or "127.0.0.1"),
-            int(getattr(store, "port", 0) or 1), False)
+    return (*torch_store_address(store), False)
 
 
 def _open_store(s: _Setup, name: str) -> Any:
@@ -415,6 +415,11 @@ def _grow(g: Group, size: int, deadline: float) -> Group:
     except BaseException:
         if parts is not None:
             parts.close()
+        if c.rank == 0:
+            try:  # (a process that joins later must not take a ticket of this failed try)
+                store.delete(GROW, timeout=CLOSE_ASK_S)
+            except (StoreError, OSError):
+                pass
         store.close()
         raise
     new = type(g)(core, store=store, server=None, server_key=None)
@@ -870,7 +875,7 @@ class Group:
         their new addresses in one all_gather here. ``name``: the new group's (default:
         this one's, a dot and the color); ``timeout``: as a collective's."""
         sp = split_begin(self._core, self._setup, color, key, name)
-        return self._split_end(sp, self.all_gather(sp.item, timeout=timeout), "split")
+        return self._split_end(sp, self._gathered(sp, timeout), "split")
 
     def new_group(self, ranks: Sequence[int], *, name: str | None = None,
                   timeout: float | None = None) -> Group | None:
@@ -878,7 +883,14 @@ class Group:
         (every rank calls it, with the same ranks); ranked in the order of their ranks here;
         a rank not in ``ranks`` gets ``None``."""
         sp = split_begin(self._core, self._setup, None, 0, name, ranks)
-        return self._split_end(sp, self.all_gather(sp.item, timeout=timeout), "new_group")
+        return self._split_end(sp, self._gathered(sp, timeout), "new_group")
+
+    def _gathered(self, sp: Any, timeout: float | None) -> list[Any]:
+        try:
+            return self.all_gather(sp.item, timeout=timeout)
+        except BaseException:
+            sp.close()  # (its new endpoint and heartbeat)
+            raise
 
     def _split_end(self, sp: Any, got: list[Any], what: str) -> Group | None:
         try:
@@ -909,8 +921,9 @@ class Group:
         _timeout_arg(timeout, "shrink")
         if self._core.state == CLOSED:
             self._core.check_open()  # (raises: a broken group may shrink, a closed one not)
+        parts = Parts(self._setup, self._core.size)
         self._shrinks += 1
-        return Parts(self._setup, self._core.size), self._shrinks
+        return parts, self._shrinks
 
     def grow(self, world_size: int, *, timeout: float | None = None) -> Group:
         """This group's ranks and new processes, in a new group of ``world_size`` ranks:
@@ -988,10 +1001,12 @@ class Group:
                 token, old, new = store.get(GROW, timeout=t).decode().split(" ")
                 ticket = store.add(f"{GROW}/{token}", 1, timeout=max(
                     deadline - time.monotonic(), 0.001))
-            except StoreTimeoutError:
+            except StoreTimeoutError as e:
+                where = f"the store at {store.host}:{store.port}"
                 raise FormationTimeoutError(
                     f"Group.join: group {name!r} did not grow within the timeout (its ranks "
-                    f"call grow; the store at {host}:{port} answered)") from None
+                    "call grow; " + (f"{where} answered)" if e.answered else
+                                     f"{where} answered nothing: is it running?)")) from None
         rank = int(old) + ticket - 1
         if rank >= int(new):
             raise FormationError(f"Group.join: group {name!r} grows to {new} ranks, and "
@@ -1033,15 +1048,34 @@ def _close_parts(core: Core, store: StoreClient | None,
     """What Group.close does, for a group collected without it."""
     core.close()
     if store is not None:
-        if core.rank == 0 and not getattr(store, "leased", False):  # its table goes: a new
-            # group of this name may form (etcd's goes with the lease, as the client closes)
-            try:
-                store.delete(FORMED, timeout=CLOSE_ASK_S)
-            except (StoreError, OSError):
-                pass  # (best effort: the store may be gone)
-        store.close()
+        if core.rank == 0 and not getattr(store, "leased", False):
+            # its table goes, so that a new group of this name may form (etcd's goes with
+            # the lease as the client closes); an external store's in a thread: a torch
+            # store's calls have no deadline of their own, and close() waits for nothing
+            if isinstance(store, StoreClient):
+                _forget_table(store, core.group_id, core.name)
+            else:
+                threading.Thread(target=_forget_table, args=(store, core.group_id, core.name),
+                                 daemon=True, name="ctrlcomm-close").start()
+                store = None  # (the thread closes it)
+        if store is not None:
+            store.close()
     if server_key is not None:
         _release_server(*server_key)
+
+
+def _forget_table(store: Any, group_id: int, name: str) -> None:
+    """Delete the group's table (FORMED) from the store: only its own (a group grown from it,
+    of the same name, may have put its own there since). Best effort. An external store's
+    client is closed here (this runs in a thread of its own then)."""
+    try:
+        held = store.get(FORMED, wait=False, timeout=CLOSE_ASK_S).decode(errors="replace")
+        if _group_id(name, held.split("\n", 1)[0]) == group_id:
+            store.delete(FORMED, timeout=CLOSE_ASK_S)
+    except (StoreError, OSError, KeyError):
+        pass  # (the store may be gone, or the table)
+    if not isinstance(store, StoreClient):
+        store.close()
 
 
 # Objects collected unclosed: their finalizers queue what closes them (SimpleQueue.put is
@@ -1180,14 +1214,21 @@ class AioGroup:
         """:meth:`Group.split`, awaited."""
         g = self._group
         sp = split_begin(self._core, g._setup, color, key, name)
-        return g._split_end(sp, await self.all_gather(sp.item, timeout=timeout), "split")
+        return g._split_end(sp, await self._gathered(sp, timeout), "split")
 
     async def new_group(self, ranks: Sequence[int], *, name: str | None = None,
                         timeout: float | None = None) -> Group | None:
         """:meth:`Group.new_group`, awaited."""
         g = self._group
         sp = split_begin(self._core, g._setup, None, 0, name, ranks)
-        return g._split_end(sp, await self.all_gather(sp.item, timeout=timeout), "new_group")
+        return g._split_end(sp, await self._gathered(sp, timeout), "new_group")
+
+    async def _gathered(self, sp: Any, timeout: float | None) -> list[Any]:
+        try:
+            return await self.all_gather(sp.item, timeout=timeout)
+        except BaseException:
+            sp.close()
+            raise
 
     async def shrink(self, timeout: float | None = None) -> Group:
         """:meth:`Group.shrink`, awaited."""

@@ -65,10 +65,14 @@ def run(args: argparse.Namespace) -> int:
                 except OSError:
                     pass
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # (SIGHUP too: the terminal or ssh session closed; the ranks, in sessions of their own,
+    # would not get it)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         old[sig] = signal.signal(sig, on_signal)
     try:
         for rank in range(args.n):
+            if stopping:  # (stopped while starting: start no more)
+                break
             env = {**os.environ, "CTRLCOMM_HOST": host, "CTRLCOMM_PORT": str(port),
                    "CTRLCOMM_RANK": str(rank), "CTRLCOMM_WORLD_SIZE": str(args.n),
                    "PYTHONUNBUFFERED": "1"}
@@ -133,7 +137,10 @@ def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
         try:
             p.wait(KILL_S)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
             p.wait()
 
 

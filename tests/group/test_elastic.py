@@ -225,6 +225,23 @@ def test_shrink_after_a_kill_gives_every_survivor_the_same_group(size, victims, 
         assert parents == alive and gathered == alive and total == len(alive)
 
 
+def aborts_then_shrinks(rank, size, port):
+    with _create(rank, size, port, "abort") as g:
+        g.barrier()
+        if rank == 1:
+            g.abort("going on without a collective")  # (alive: it takes part in the shrink)
+        try:
+            g.barrier()
+        except ctrlcomm.CtrlcommError:
+            pass
+        with g.shrink() as s:
+            return s.parent_ranks, s.all_reduce(1)
+
+
+def test_a_rank_that_aborted_is_alive_and_in_the_shrunk_group():
+    assert run_ranks(aborts_then_shrinks, 3, free_port()) == [([0, 1, 2], 3)] * 3
+
+
 def shrinks_whole(rank, size, port):
     with _create(rank, size, port, "whole") as g:
         s = g.shrink()  # (nobody lost: the same ranks, in a new group)
@@ -294,13 +311,15 @@ def grows(rank, size, port, victim, joiners):
     size -= joiners  # (the last ranks are new processes)
     if rank >= size:
         time.sleep(0.2 * (rank - size))
-        g = ctrlcomm.Group.join("127.0.0.1", port, "grow", timeout=30)
+        g = ctrlcomm.Group.join("127.0.0.1", port, "grow", timeout=30, liveness_timeout=1.0)
         with g:
+            time.sleep(2.5)  # (past the liveness timeout: every rank's heartbeats count)
             return "new", g.rank, g.world_size, g.parent_ranks, g.all_gather(rank)
-    g = _create(rank, size, port, "grow", liveness_timeout=2.0)
+    g = _create(rank, size, port, "grow", liveness_timeout=1.0)
     kill_and_see(g, rank, (victim,))
     s = g.shrink()
     with s.grow(size) as big:
+        time.sleep(2.5)
         return "old", big.rank, big.world_size, big.parent_ranks, big.all_gather(rank)
 
 

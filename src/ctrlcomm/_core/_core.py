@@ -313,8 +313,7 @@ class Core(_Mailbox):
         ``what`` names the call in errors (default: ``send(dst=..., tag=...)``). It runs
         beside any other call: it waits for none (but a backlog: _backpressure).
         ``broken_ok``: it runs on a broken group too, as a shrink's survivors talk there."""
-        if self.state != OPEN:
-            self.check_usable(broken_ok)
+        stop = self.check_usable(broken_ok)
         dsts = dst if isinstance(dst, tuple) else (dst,)
         name = what  # (or the default: _send_name)
         self._look(dsts, name, dst=dst, tag=tag)
@@ -335,7 +334,7 @@ class Core(_Mailbox):
             name = _send_name(name, dst, tag)
             t = self.timeout if timeout is None else float(timeout)
             yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None,
-                                          False)
+                                          False, stop)
         if self.gone or self.suspects:  # lost while it was sent: the rest was dropped
             self._unreachable(dsts, _send_name(name, dst, tag))
         if self._deferred:  # asked for while this call ran

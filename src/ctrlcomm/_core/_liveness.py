@@ -60,6 +60,7 @@ class _Liveness(_Mismatch):
     def _known_gone(self, rank: int, text: str) -> None:
         """``rank`` is gone, as ``text`` says: kept where an earlier word said why, but over a
         guess from its silence (``_guessed``)."""
+        self.reported.discard(rank)  # (seen here now)
         if rank in self._guessed:
             self._guessed.discard(rank)
             self.gone[rank] = text
@@ -91,6 +92,7 @@ class _Liveness(_Mismatch):
                 if now >= until:
                     self.gone[s] = text
                     self._guessed.add(s)
+                    self.reported.discard(s)
                     continue
                 nxt = min(nxt, until)
             if hb is not None and limit is not None:
@@ -113,7 +115,19 @@ class _Liveness(_Mismatch):
                     self.gone[s] = (f"stopped answering heartbeats {silent:.1f} s ago (its "
                                     "process is stopped, hung, or cut off from the network)")
                     self._guessed.add(s)
+                    self.reported.discard(s)
         return [s for s in missing if s in self.gone], nxt
+
+    def forget_hearsay(self) -> None:
+        """Forget which ranks are gone by another rank's word or by an abort of theirs (both
+        may be alive): only what this rank sees says so from now on (see _forming's
+        shrink)."""
+        for r in self.reported | self.aborters:
+            self.gone.pop(r, None)
+            self._guessed.discard(r)
+            self.suspects.pop(r, None)
+        self.reported.clear()
+        self.aborters.clear()
 
     def _answer_status(self, dst: int) -> None:
         """Tell ``dst`` what this rank is doing: in words, and in the header the collective

@@ -146,7 +146,9 @@ class _Mailbox(_Liveness):
             text = reason
             lost = [r for r in told.ranks if r in self._peers]
             for r in lost:
-                self.gone.setdefault(r, f"is gone (reported by rank {m.src}: {text})")
+                if r not in self.gone:
+                    self.reported.add(r)
+                    self.gone[r] = f"is gone (reported by rank {m.src}: {text})"
             self.brk(PeerLostError(f"group {self.name!r}: rank(s) {lost} lost (reported by "
                                    f"rank {m.src}): {text}", ranks=lost))
         else:
@@ -265,16 +267,17 @@ class _Mailbox(_Liveness):
                 self.ep.resume(src)
 
     def _backpressure(self, dsts: list[int], deadline: float, t: float, name: str,
-                      seq: int | None, lead: int) -> Wait:
+                      seq: int | None, lead: int, stop: str = BROKEN) -> Wait:
         """Wait while more than MAX_BACKLOG bytes are queued for any of ``dsts`` (``lead``:
-        the number of the call's lead, 0 where it does not lead)."""
+        the number of the call's lead, 0 where it does not lead; ``stop``: the state in
+        which it raises the group's cause, none for a send made on a broken group)."""
         if self.ep.unflushed:  # a connection still being made, or a kernel buffer was full
             self.pump()
         while True:
             full = [d for d in dsts if self.ep.backlog(d) > MAX_BACKLOG]
             if not full:
                 return
-            if self.state == BROKEN:  # (a step that completed may still send after it)
+            if self.state == stop:  # (a step that completed may still send after it)
                 raise self._cause_in(name if seq is None else f"{name} #{seq}")
             if seq is not None:
                 self.waiting_for = full

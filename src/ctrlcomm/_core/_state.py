@@ -89,6 +89,8 @@ class _CoreState:
         # those of them that aborted, not known closed: still there, and told goodbye (an
         # aborted rank's own goodbye to a rank closed already lingered: 5 s at its exit)
         self.aborters: set[int] = set()
+        # those of them gone by another rank's word only (an ABORT_LOST report)
+        self.reported: set[int] = set()
         self.suspects: dict[int, tuple[float, str]] = {}  # peer -> (grace ends, why)
         self.dropped: Counter[str] = Counter()
         self.sent = 0

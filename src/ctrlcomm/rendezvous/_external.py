@@ -25,6 +25,7 @@ from ._client import port_arg
 POLL_MIN_S, POLL_MAX_S = 0.002, 0.05  # a wait looks again after this, doubling, at most
 LEASE_TTL_S = 10  # an etcd client's keys outlive its process by this at most
 HTTP_TIMEOUT_S = 5.0  # an etcd request's deadline
+TXN_OPS = 100  # reads per etcd transaction (etcd refuses more than 128 by default)
 
 
 def _b(v: str | bytes) -> bytes:
@@ -184,7 +185,9 @@ class EtcdStore(_Polled):
     def _renew(self) -> None:
         while not self._closed.wait(LEASE_TTL_S / 3):
             try:
-                self._lease.refresh()
+                if self._lease.refresh() < 0:  # expired (etcd was away): its keys went;
+                    # a new one for what is set from now on
+                    self._lease = self._c.lease(LEASE_TTL_S)
             except Exception:  # noqa: BLE001  (etcd away a moment: the next renewal may do)
                 continue
 
@@ -196,11 +199,13 @@ class EtcdStore(_Polled):
     def _get_many(self, keys: list[str]) -> list[bytes | None]:
         from etcd3gw.utils import _decode, _encode
 
-        res = self._txn([], [{"request_range": {"key": _encode(k)}} for k in keys])
         out: list[bytes | None] = []
-        for r in res.get("responses", []):
-            kvs = r.get("response_range", {}).get("kvs", [])
-            out.append(_decode(kvs[0].get("value", "")) if kvs else None)
+        for i in range(0, len(keys), TXN_OPS):  # (etcd takes 128 operations a transaction)
+            res = self._txn([], [{"request_range": {"key": _encode(k)}}
+                                 for k in keys[i:i + TXN_OPS]])
+            for r in res.get("responses", []):
+                kvs = r.get("response_range", {}).get("kvs", [])
+                out.append(_decode(kvs[0].get("value", "")) if kvs else None)
         return out
 
     def _put(self, key: str, value: bytes) -> None:
@@ -231,8 +236,10 @@ class EtcdStore(_Polled):
             cmp = {"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": rev} if kvs \
                 else {"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
             new = now + amount
-            if self._txn([cmp], [{"request_put": {"key": k, "value": _encode(str(new)),
-                                                  "lease": self._lease.id}}]).get("succeeded"):
+            # (no lease: a counter is the group's, which another process (a grow's next
+            # ticket) counts on after this one has closed)
+            if self._txn([cmp], [{"request_put": {"key": k, "value": _encode(str(new))}}]
+                         ).get("succeeded"):
                 return new
 
     def _delete(self, key: str) -> bool:
@@ -266,8 +273,7 @@ class TorchStore(_Polled):
     def __init__(self, store: Any, prefix: str, timeout: float) -> None:
         super().__init__(prefix, timeout)
         self._s = store
-        self.host = str(getattr(store, "host", "") or "127.0.0.1")
-        self.port = int(getattr(store, "port", 0) or 0)
+        self.host, self.port = torch_store_address(store)
         self.what = f"torch store {type(store).__name__}"
         self._lock = threading.Lock()  # (a torch store is not for threads at once)
 
@@ -298,6 +304,19 @@ class TorchStore(_Polled):
         # (torch's stores cannot list keys: what formation deletes by prefix, a failed
         # try's secrets, is each deleted by the rank that reads it, or stays)
         return 0
+
+
+def torch_store_address(store: Any) -> tuple[str, int]:
+    """A torch store's server address: its own (a TCPStore's), or that of the store it wraps
+    (a PrefixStore's ``underlying_store``); ("127.0.0.1", 1) where none says."""
+    for _ in range(8):
+        if getattr(store, "host", None):
+            return str(store.host), int(getattr(store, "port", 0) or 1)
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:
+            break
+        store = inner
+    return "127.0.0.1", 1
 
 
 def open_external(store: Any, name: str, timeout: float) -> _Polled:
