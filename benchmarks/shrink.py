@@ -5,27 +5,20 @@ group, at a world size (default 16), over each transport asked for.
 """
 
 import os
-import signal
 import sys
 import time
 
 import ctrlcomm
-from ctrlcomm.testing import free_port, run_ranks
+from ctrlcomm.testing import free_port, kill_ranks, run_ranks
 
 
 def rank_fn(rank, size, port, victim):
     g = ctrlcomm.Group.create("127.0.0.1", port, rank, size, name="shrink", timeout=60)
-    g.barrier()
-    if rank == victim:  # (once every rank is in the all_reduce: past the barrier)
-        g.all_reduce(1)
+    def stamp():  # (the victim: when it dies)
         with open(f"/tmp/ctrlcomm-shrink-{port}", "w") as f:
             f.write(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        g.all_reduce(1)
-        g.barrier()
-    except ctrlcomm.PeerLostError:
-        pass
+
+    kill_ranks(g, [victim], stamp)
     s = g.shrink()
     done = time.time()
     ok = s.all_reduce(1) == size - 1

@@ -23,6 +23,8 @@ from ._errors import StoreQueueEmptyError as StoreQueueEmptyError
 from ._errors import StoreTimeoutError as StoreTimeoutError
 from ._group import AioGroup as AioGroup
 from ._group import Group as Group
+from ._group import dump_flight_records as dump_flight_records
+from ._group import dump_flight_records_on as dump_flight_records_on
 from ._megatron import AsyncZMQCommunicator as AsyncZMQCommunicator
 from ._vllm import StatelessProcessGroup as StatelessProcessGroup
 from .rendezvous._client import StoreClient as StoreClient
@@ -57,4 +59,6 @@ __all__ = [
     "StoreServer",
     "StoreTimeoutError",
     "__version__",
+    "dump_flight_records",
+    "dump_flight_records_on",
 ]

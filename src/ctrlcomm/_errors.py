@@ -45,7 +45,16 @@ def show(value: Any, limit: int = 160) -> str:
 
 class CtrlcommError(RuntimeError):
     """Base of every error ctrlcomm raises: a RuntimeError, as torch.distributed's errors
-    are (code written for vLLM's StatelessProcessGroup or torch's stores catches those)."""
+    are (code written for vLLM's StatelessProcessGroup or torch's stores catches those).
+
+    Attributes:
+        flight_record: where this error ended a call (a timeout, a mismatch, a lost peer,
+            an abort told): the group's last calls on this rank, oldest first, the failed
+            one last, as they were then (see :meth:`ctrlcomm.Group.flight_record`); else
+            empty.
+    """
+
+    flight_record: Sequence[dict[str, Any]] = ()
 
 
 class InvalidArgumentError(CtrlcommError, ValueError):

@@ -20,7 +20,6 @@ import hashlib
 import operator
 import os
 import time
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from . import _wire as w
@@ -191,8 +190,7 @@ def split_begin(core: Core, setup: _Setup, color: Any, key: Any, name: Any,
     rank's parts where it is in a new group."""
     what = "new_group" if ranks is not None else "split"
     if ranks is not None:
-        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) and \
-                not hasattr(ranks, "__iter__"):
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
             raise InvalidArgumentError(f"new_group: ranks must be a sequence of ranks, got "
                                        f"{show(ranks)}")
         rs = sorted(_int(r, "new_group: each rank") for r in ranks)
@@ -304,11 +302,12 @@ def shrink_plan(core: Core, setup: _Setup, parts: Parts, attempt: int,
     # the agreement: the proposal of the lowest rank that sent one, passed up
     proposal: list[Any] = [attempt, me, os.urandom(8).hex(), sorted(view.items())]
     for i in range(me):
-        if i not in core.gone:
-            try:
-                proposal = yield from _take(core, i, AGREE_TAG, attempt, deadline, name)
-            except PeerLostError:
-                continue
+        # (asked even where rank i is known gone: it may have sent its proposal before it
+        # went, or closed the parent once its shrink returned, and what came is taken first)
+        try:
+            proposal = yield from _take(core, i, AGREE_TAG, attempt, deadline, name)
+        except PeerLostError:
+            continue
     for d in range(me + 1, n):
         if d not in core.gone:
             yield from _send(core, proposal, d, AGREE_TAG, deadline, name)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import json
 import logging
 import os
 import queue
+import signal
+import sys
 import threading
 import time
 import weakref
@@ -40,7 +43,7 @@ from ._calls import (
     _timeout_arg,
     _validate_world,
 )
-from ._core import Core
+from ._core import Core, flight_record_size
 from ._drivers import run_sync
 from ._endpoint import Endpoint
 from ._errors import (
@@ -73,6 +76,7 @@ from .rendezvous._formation import (
     _formed_without,
     _group_id,
     _rendezvous,
+    tell_bind_failure,
 )
 from .rendezvous._hosting import _acquire_server, _release_server
 from .rendezvous._server import StoreServer
@@ -242,6 +246,7 @@ def _formation_settings(name: Any, timeout: Any, transport: Any, codec: Any, por
                                    "'zmq'")
     if codec not in CODECS:
         raise InvalidArgumentError(f"unknown codec {codec!r}; use one of {sorted(CODECS)}")
+    flight_record_size()  # (read again as the core is made: a bad value fails it before)
     port = port_arg(port)
     if auth_key is not None and not auth_key:  # (given, but empty: a key read from an
         # empty file, say; an empty CTRLCOMM_AUTH_KEY is unset, as shells have it)
@@ -347,22 +352,34 @@ def _external_address(store: Any, host: Any, port: Any, host_store: Any
     return (*torch_store_address(store), False)
 
 
+def _group_store(host: Any, port: Any, name: str | None, key: bytes | None, encrypt: bool,
+                 timeout: float, external: Any = None, address: str | None = None) -> Any:
+    """A new client of the store of group ``name`` (its keys; None: the whole store):
+    ``external``'s (an etcd URL or a torch Store) where given, else the ctrlcomm store at
+    ``(host, port)`` (``address``: the host's address, where it was looked up)."""
+    if external is not None:
+        return open_external(external, name or "", timeout)
+    return StoreClient(host, port, timeout=timeout,
+                       prefix=f"ctrlcomm/{name}/" if name is not None else "", auth_key=key,
+                       encrypt=encrypt, _address=address)
+
+
 def _open_store(s: _Setup, name: str) -> Any:
     """A new client of the store of a group made with ``s`` (its name's keys)."""
-    if s.external is not None:
-        return open_external(s.external, name, s.timeout)
-    return StoreClient(s.store_host, s.port, timeout=s.timeout, prefix=f"ctrlcomm/{name}/",
-                       auth_key=s.key, encrypt=s.encrypt, _address=s.store_address)
+    return _group_store(s.store_host, s.port, name, s.key, s.encrypt, s.timeout, s.external,
+                        s.store_address)
 
 
 def _formed_elsewhere(host: str, address: str, port: int, key: bytes | None, encrypt: bool,
-                      rank: int, name: str, deadline: float) -> None:
-    """Raise FormationError where the store at ``(address, port)`` holds group ``name``
-    formed without this process (see _formed_without); else nothing."""
+                      rank: int, name: str, deadline: float, why: str) -> None:
+    """(Rank 0's store could not bind ``port``: ``why``.) Raise FormationError where the
+    store at ``(address, port)`` holds group ``name`` formed without this process (see
+    _formed_without); else leave ``why`` there for the ranks that wait for rank 0 there
+    (tell_bind_failure; where it is a store of ours that takes this rank's key)."""
     try:
-        with StoreClient(host, port, timeout=1.0, prefix=f"ctrlcomm/{name}/", auth_key=key,
-                         encrypt=encrypt, _address=address) as store:
+        with _group_store(host, port, name, key, encrypt, 1.0, address=address) as store:
             _formed_without(store, rank, name, deadline)
+            tell_bind_failure(store, why, deadline)
     except (StoreError, OSError):
         pass
 
@@ -386,8 +403,8 @@ def _close_formed(fut: asyncio.Future[Group]) -> None:
 def _answers(s: _Setup) -> bool:
     """Whether a store answers at the address of the store of a group made with ``s``."""
     try:
-        with StoreClient(s.store_host, s.port, timeout=1.0, auth_key=s.key, encrypt=s.encrypt,
-                         _address=s.store_address) as store:
+        with _group_store(s.store_host, s.port, None, s.key, s.encrypt, 1.0,
+                          address=s.store_address) as store:
             store.ping()
         return True
     except (StoreError, OSError):
@@ -469,6 +486,7 @@ class Group:
         self._server = server
         self._aio: weakref.ref[AioGroup] | None = None
         self._keep_server(server_key)
+        _all_groups.add(self)
 
     def _keep_server(self, server_key: tuple[str, int] | None) -> None:
         """Hold the embedded store ``server_key`` names (taken with :func:`_acquire_server`;
@@ -627,18 +645,17 @@ class Group:
         try:
             server = _acquire_server(store_address, port, key, encrypt, store_limits) \
                 if host_store else None
-        except StoreError:
+        except StoreError as e:
             # the port taken: by the store of a group of this name formed without this
             # process, say (a second or restarted rank 0), which it is told, not "in use"
-            _formed_elsewhere(host, store_address, port, key, encrypt, rank, name, deadline)
+            _formed_elsewhere(host, store_address, port, key, encrypt, rank, name, deadline,
+                              str(e))
             raise
         dropped = server.dropped if server is not None else 0
         external, store = store, None
         ep = hb = None
         try:
-            store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/",
-                                auth_key=key, encrypt=encrypt, _address=store_address) \
-                if external is None else open_external(external, name, t)
+            store = _group_store(host, port, name, key, encrypt, t, external, store_address)
             # a store on every interface (host "0.0.0.0", as TRL's vLLM workers give it):
             # this rank is on the store's host (where a connection to 0.0.0.0 goes), and the
             # ranks elsewhere reach it by their own store address, which may be any interface
@@ -795,6 +812,25 @@ class Group:
                 dropped[k] = dropped.get(k, 0) + v
         return {"sent": c.sent, "received": c.received, "dropped": dropped,
                 "seq": c.seq, "state": c.state, "transport": c.ep.kind}
+
+    def flight_record(self) -> list[dict[str, Any]]:
+        """This rank's last calls on the group (a flight recorder, as torch's for NCCL):
+        oldest first, then those in progress. Each is a dict: ``op`` (``"all_reduce"``,
+        ``"send"``, ``"recv"``...), ``seq`` (a collective's number; None for point to point),
+        ``root``, ``peer`` and ``tag`` (point to point), ``state`` (``"done"``,
+        ``"failed"``, ``"running"``), ``error`` (how it failed), ``started`` (``time.time()``
+        seconds), ``duration_s`` (so far, where running), ``messages_sent``,
+        ``messages_received``, ``bytes_sent`` and ``bytes_received`` (the encoded size
+        of what this rank sent, each object once however many ranks it went to, and of
+        what it received; None where not known yet), and ``waited_for``: the ranks it
+        waited for last (a call that completed: the last to come; one in progress: those
+        it waits for). A point-to-point call of a drop-in shows under the drop-in's name
+        (``send_obj``), with the drop-in's tag.
+
+        It keeps 64 calls, or ``CTRLCOMM_FLIGHT_RECORD`` (0: none). The error that ends a
+        call carries it (its ``flight_record``); :func:`ctrlcomm.dump_flight_records`
+        writes every group's, on a signal where asked."""
+        return self._core.flight_record()
 
     def __repr__(self) -> str:
         c = self._core
@@ -986,17 +1022,13 @@ class Group:
         deadline = time.monotonic() + t
         key = auth_key_or_env(kwargs.get("auth_key"))
         external = kwargs.get("store")
-        store: Any
         if external is not None:
             _external_address(external, host, port, None)
-            store = open_external(external, name, t)
         elif host is None or port is None:
             raise InvalidArgumentError("Group.join: give the group's store host and port "
                                        "(or its store=)")
-        else:
-            store = StoreClient(host, port, timeout=t, prefix=f"ctrlcomm/{name}/",
-                                auth_key=key, encrypt=bool(kwargs.get("encrypt", False)))
-        with store:
+        with _group_store(host, port, name, key, bool(kwargs.get("encrypt", False)), t,
+                          external) as store:
             try:
                 token, old, new = store.get(GROW, timeout=t).decode().split(" ")
                 ticket = store.add(f"{GROW}/{token}", 1, timeout=max(
@@ -1085,6 +1117,54 @@ _dropped: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], int]] = 
     queue.SimpleQueue()
 _closer: threading.Thread | None = None
 _closer_lock = threading.Lock()
+
+
+_all_groups: weakref.WeakSet[Group] = weakref.WeakSet()  # (for dump_flight_records)
+
+
+def dump_flight_records(file: Any = None) -> None:
+    """Write the flight record (:meth:`Group.flight_record`) of every group of this process
+    that is not closed, one JSON line per group, to ``file`` (a text file; default
+    ``sys.stderr``). (On a signal: :func:`dump_flight_records_on`.)"""
+    out = sys.stderr if file is None else file
+    for g in list(_all_groups):
+        c = g._core
+        if c.state == CLOSED:
+            continue
+        out.write(json.dumps({"group": c.name, "rank": c.rank, "world_size": c.size,
+                              "pid": os.getpid(), "state": c.state,
+                              "cause": None if c.cause is None else str(c.cause),
+                              "calls": g.flight_record()}, default=repr) + "\n")
+    out.flush()
+
+
+def dump_flight_records_on(signum: int = signal.SIGUSR1, file: Any = None) -> None:
+    """Dump every group's flight record (:func:`dump_flight_records`) when this process
+    gets ``signum`` (``kill -USR1 PID``), as torch's NCCL flight recorder does; the signal's
+    earlier handler is replaced. Call it from the main thread (Python runs signal handlers
+    there, between bytecodes, even while a call waits in the kernel)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise InvalidArgumentError("dump_flight_records_on: call it from the main thread "
+                                   "(Python installs signal handlers there only)")
+    try:
+        signal.signal(signum, lambda _s, _f: _dump_quietly(file))
+    except (ValueError, OSError) as e:
+        raise InvalidArgumentError(f"dump_flight_records_on: signal {signum!r}: {e}") from None
+
+
+def _dump_quietly(file: Any) -> None:
+    """:func:`dump_flight_records` from a signal handler: it runs inside whatever the main
+    thread was doing, a collective maybe, which an error raised here would end (and break
+    the group on every rank). A dump that fails (a closed file, a broken pipe, a write
+    into a write in progress) is given up, saying so where it can."""
+    try:
+        dump_flight_records(file)
+    except Exception as e:
+        try:
+            os.write(2, f"ctrlcomm: flight record dump failed: {type(e).__name__}: {e}\n"
+                     .encode(errors="replace"))
+        except OSError:
+            pass
 
 
 def close_when_dropped(obj: object, fn: Callable[..., None], *args: Any

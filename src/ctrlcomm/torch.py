@@ -60,7 +60,7 @@ def group_from_torch(process_group: Any = None, *, hostname: str | None = None,
     Raises:
         FormationError: on the members other than the leader, where the leader could not
             serve the store (its error is named): they do not wait for torch's timeout.
-        and what :meth:`ctrlcomm.Group.create` raises.
+        CtrlcommError: what :meth:`ctrlcomm.Group.create` raises.
     """
     return Group.from_torch(process_group, hostname=hostname, name=name, timeout=timeout,
                             **kwargs)

@@ -11,28 +11,12 @@ import time
 import pytest
 
 import ctrlcomm
-from ctrlcomm.testing import free_port, run_ranks
+from ctrlcomm.testing import free_port, kill_ranks, run_ranks
 
 
 def _create(rank, size, port, name, **kw):
     kw.setdefault("timeout", 30)
     return ctrlcomm.Group.create("127.0.0.1", port, rank, size, name=name, **kw)
-
-
-def kill_and_see(g, rank, victims):
-    """Kill ``victims`` (kill -9) once every rank is past a first barrier (a victim's
-    all_reduce returns only once every rank is in it), and return the ranks the survivors
-    see lost."""
-    g.barrier()
-    if rank in victims:
-        g.all_reduce(0)
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        g.all_reduce(0)
-        g.barrier()
-    except ctrlcomm.PeerLostError as e:
-        return sorted(e.ranks)
-    raise AssertionError("no loss seen")
 
 
 # ---------------------------------------------------------------------------- split
@@ -202,7 +186,7 @@ def reserved(rank, size, port):
 
 def shrinks(rank, size, port, victims, awaited):
     g = _create(rank, size, port, "shrink", liveness_timeout=2.0)
-    lost = kill_and_see(g, rank, victims)
+    lost = kill_ranks(g, victims)
     s = asyncio.run(g.aio.shrink()) if awaited else g.shrink()
     out = (lost, s.rank, s.world_size, s.parent_ranks, s.all_gather(rank), s.all_reduce(1))
     s.close()
@@ -225,12 +209,36 @@ def test_shrink_after_a_kill_gives_every_survivor_the_same_group(size, victims, 
         assert parents == alive and gathered == alive and total == len(alive)
 
 
+def shrinks_and_closes(rank, size, port, victims):
+    g = _create(rank, size, port, "closes", liveness_timeout=2.0)
+    kill_ranks(g, victims)
+    t = time.monotonic()
+    s = g.shrink()
+    took = time.monotonic() - t
+    g.close()  # (at once: a survivor still in its shrink must not take it for lost)
+    with s:
+        return s.parent_ranks, s.all_reduce(1), took
+
+
+@pytest.mark.parametrize(("size", "victims"), [(3, (1,)), (3, (2,)), (4, (2,))])
+def test_survivors_that_close_the_parent_at_once_share_one_group(size, victims):
+    res = run_ranks(shrinks_and_closes, size, free_port(), victims, may_die=victims)
+    alive = [r for r in range(size) if r not in victims]
+    for rank in alive:
+        parents, total, took = res[rank]
+        assert (parents, total) == (alive, len(alive))
+        # (each sees the killed process exit on this host: not after a grace for the word
+        # another rank told of it, which a shrink forgets)
+        assert took < 1.0, took
+
+
 def aborts_then_shrinks(rank, size, port):
     with _create(rank, size, port, "abort") as g:
-        g.barrier()
-        if rank == 1:
-            g.abort("going on without a collective")  # (alive: it takes part in the shrink)
-        try:
+        try:  # (the abort may reach a rank still in the first barrier: it returns at once
+            # on rank 1 once its part is in)
+            g.barrier()
+            if rank == 1:
+                g.abort("going on without a collective")  # (alive: it is in the shrink)
             g.barrier()
         except ctrlcomm.CtrlcommError:
             pass
@@ -257,7 +265,7 @@ def test_shrink_of_a_working_group_keeps_every_rank():
 
 def dies_during_shrink(rank, size, port, victim, delay):
     g = _create(rank, size, port, "during", liveness_timeout=2.0)
-    kill_and_see(g, rank, (size - 1,))
+    kill_ranks(g, (size - 1,))
     if rank == victim:  # killed as the shrink runs (it takes a few ms), at some point of it
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
     s = g.shrink()
@@ -293,7 +301,7 @@ def test_survivors_agree_where_a_rank_dies_during_the_shrink(victim, delay):
 
 def shrink16(rank, size, port):
     g = _create(rank, size, port, "w16", liveness_timeout=5.0)
-    kill_and_see(g, rank, (7,))
+    kill_ranks(g, (7,))
     s = g.shrink()
     return s.parent_ranks, s.all_reduce(rank)
 
@@ -316,7 +324,7 @@ def grows(rank, size, port, victim, joiners):
             time.sleep(2.5)  # (past the liveness timeout: every rank's heartbeats count)
             return "new", g.rank, g.world_size, g.parent_ranks, g.all_gather(rank)
     g = _create(rank, size, port, "grow", liveness_timeout=1.0)
-    kill_and_see(g, rank, (victim,))
+    kill_ranks(g, (victim,))
     s = g.shrink()
     with s.grow(size) as big:
         time.sleep(2.5)

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 import ctrlcomm
-from ctrlcomm.testing import free_port, run_ranks
+from ctrlcomm.testing import free_port, kill_ranks, run_ranks
 
 KEY = b"external-store-key"
 pytestmark = pytest.mark.etcd
@@ -87,15 +87,7 @@ def grows_through_etcd(rank, size, url):
             return g.rank, g.all_gather(rank)
     g = ctrlcomm.Group.create(None, None, rank, size, name="eg", timeout=30, auth_key=KEY,
                               store=url, liveness_timeout=2.0)
-    g.barrier()
-    if rank == 0:  # (once every rank is in the all_reduce: past the barrier)
-        g.all_reduce(0)
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        g.all_reduce(0)
-        g.barrier()
-    except ctrlcomm.PeerLostError:
-        pass
+    kill_ranks(g, [0])
     s = g.shrink()
     with s.grow(size) as big:
         return big.rank, big.all_gather(rank)

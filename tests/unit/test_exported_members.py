@@ -9,6 +9,7 @@ def test_all_is_pinned():
         "MismatchTimeoutError",
         "OperandError", "PeerLostError", "ReductionError", "StatelessProcessGroup", "StoreClient",
         "StoreError", "StoreLimits", "StoreQueueEmptyError", "StoreServer", "StoreTimeoutError", "__version__",
+        "dump_flight_records", "dump_flight_records_on",
     ])
     for name in ctrlcomm.__all__:
         assert hasattr(ctrlcomm, name)

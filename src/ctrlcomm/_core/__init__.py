@@ -70,4 +70,5 @@ from ._common import Follower as Follower
 from ._common import Wait as Wait
 from ._common import _get_ident as _get_ident
 from ._common import _monotonic as _monotonic
+from ._common import flight_record_size as flight_record_size
 from ._core import Core as Core

@@ -4,6 +4,7 @@ of its messages' text."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -14,6 +15,7 @@ from .. import _wire as w
 from .._endpoint import Expected, wake_future
 from .._errors import (
     CodecError,
+    InvalidArgumentError,
 )
 
 # Seconds before a deadline at which a rank asks the peers it waits for what they are doing,
@@ -61,6 +63,9 @@ HOLD_LOW = 64
 MAX_BACKLOG = 4 * 1024 * 1024
 BACKLOG_LOOK_S = 0.005  # how often a sender that waits out a backlog, not leading, looks again
 RECENT = 64  # calls whose (op, root) are kept to find a mismatch after a call returned
+# The flight recorder: how many of its last calls a group keeps (Group.flight_record), unless
+# CTRLCOMM_FLIGHT_RECORD says otherwise (0: none)
+FLIGHT_RECORD = 64
 BYE_TEXT = 2000  # characters of why a group was broken, said to the peers as it closes
 
 # A call: a generator that yields how long it waits (seconds: on the endpoint, the call
@@ -168,11 +173,16 @@ class PointWait:
     the line of its (src, tag) and what its waits keep (as a collective keeps them on the
     core: Core._wait's ``st``)."""
 
-    __slots__ = ("name", "waiting_for", "loop", "_probed", "_looked", "_settle_until")
+    __slots__ = ("name", "waiting_for", "since", "tag", "loop", "_probed", "_looked",
+                 "_settle_until")
 
-    def __init__(self, name: str, waiting_for: list[int]) -> None:
+    def __init__(self, name: str, waiting_for: list[int], since: float = 0.0,
+                 tag: int = 0) -> None:
         self.name = name
         self.waiting_for = waiting_for
+        # (for the flight recorder: when the call began, monotonic, and its tag)
+        self.since = since
+        self.tag = tag
         self.loop = _running_loop()  # (an awaited call's: None for a blocking one)
         self._probed = self._looked = False
         self._settle_until = 0.0
@@ -233,3 +243,29 @@ _new = tuple.__new__
 # The drivers' code objects (each driver adds its own): a frame of one of them whose ``core``
 # is a group's core is a call of that group in progress (Core._in_call).
 DRIVER_CODES: set[Any] = set()
+
+
+def flight_record_size() -> int:
+    """How many calls a group's flight recorder keeps: ``CTRLCOMM_FLIGHT_RECORD``, else
+    FLIGHT_RECORD."""
+    text = os.environ.get("CTRLCOMM_FLIGHT_RECORD", "").strip()
+    if not text:
+        return FLIGHT_RECORD
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise InvalidArgumentError(
+            f"CTRLCOMM_FLIGHT_RECORD must be a number of calls >= 0 (0: none), got {text!r}")
+    return n
+
+
+def said(e: BaseException, limit: int = 300) -> str:
+    """An error as a flight record tells it: its class and the start of its message."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _nbytes(b: Any) -> int:
+    return memoryview(b).nbytes

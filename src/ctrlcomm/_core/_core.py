@@ -44,11 +44,13 @@ from ._common import (
     _first_pass,
     _get_ident,
     _monotonic,
+    _nbytes,
     _new,
     _ploads,
     _running_loop,
     _send_name,
     _undecodable,
+    said,
 )
 from ._mailbox import _Mailbox
 
@@ -98,10 +100,13 @@ class Core(_Mailbox):
         seq = self._cur_seq = self.seq
         self.seq = seq + 1
         self._cur_call = (opcode, root)
+        start = self._since = _monotonic()  # (before active: flight_record reads both)
         self.active = self._recent[seq % RECENT] = _new(Active, (name, seq, opcode, root))
         t = self.timeout if timeout is None else timeout
-        start = _monotonic()
         deadline = start + t
+        # (for the flight recorder: messages and bytes sent and received, and how it ended)
+        nsent = nrecv = bsent = brecv = 0
+        err = None
         self._in_place = call.plan in _FAIL_IN_PLACE
         probe_at = deadline - min(PROBE_GRACE, t / 10)  # as in _wait, with its first probe
         if start + FIRST_PROBE < probe_at:
@@ -129,7 +134,8 @@ class Core(_Mailbox):
                 if sends:
                     if not recvs:  # (a step that waits finds its lost peers as it waits)
                         self._look(sends, name, seq)
-                    self._post(sends, rnd, seq, opcode, root)
+                    bsent += self._post(sends, rnd, seq, opcode, root)
+                    nsent += len(sends)
                     if ep.unflushed:  # else nothing is queued: no backlog to wait out
                         yield from self._backpressure([d for d, _ in sends], deadline, t,
                                                       name, seq, lead)
@@ -194,6 +200,7 @@ class Core(_Mailbox):
                 for s in recvs:
                     data = raw.get(s)
                     if data is not None:  # taken the short way: pickled, no buffers
+                        brecv += len(data)
                         try:
                             reply[s] = _ploads(data)
                         except Exception as e:  # unpickling runs code: anything can come out
@@ -203,12 +210,16 @@ class Core(_Mailbox):
                         continue
                     m = box[seq].pop((rnd, s))
                     held[s] -= 1
+                    brecv += _nbytes(m.payload)
+                    if m.buffers:
+                        brecv += sum(_nbytes(b) for b in m.buffers)
                     try:  # self._decode, without two calls for the usual codec
                         reply[s] = _ploads(m.payload, buffers=m.buffers) \
                             if m.codec == _PICKLE and unpickle \
                             else w.loads(m.payload, m.buffers, m.codec, unpickle)
                     except Exception as e:  # unpickling runs code: anything can come out
                         raise _undecodable(m, name, seq, e) from e
+                nrecv += len(recvs)
                 if self.paused:
                     self._resume_caught_up(recvs)
             self.last = (name, seq)
@@ -220,14 +231,19 @@ class Core(_Mailbox):
                 xr.take_error()
             self._failed_seq = seq
             why = f"{name} #{seq} on group {self.name!r} was cancelled on rank {self.rank}"
+            err = "cancelled"
             if self.state == OPEN:  # the others may be waiting for its part: they are told
                 self._tell_peers(w.ABORT, why, seq, w.ABORT_AT_CALL)
             self.brk(GroupBrokenError(why))
             raise
         except BaseException as e:  # the ranks are out of step now
+            err = said(e)
             self._failed(e, name, seq)
             raise
         finally:
+            if self.flight is not None:
+                self.flight.append((name, seq, root, None, start, _monotonic(), err, nsent,
+                                    nrecv, bsent, brecv, self.waiting_for))
             self._send_failed = None
             if self.step is not NO_STEP:  # (a step that did not complete)
                 self.received += len(self.step.raw)
@@ -274,6 +290,7 @@ class Core(_Mailbox):
         """A collective ended by ``e``: the ranks are out of step now. The group breaks, and
         the others are told what they need to know (not left waiting for this rank)."""
         self._failed_seq = seq
+        self._attach_record(e)
         if isinstance(e, PeerLostError) and self.state == OPEN and e.ranks \
                 and not all(self.gone.get(r, "").startswith("is gone (reported") for r in e.ranks):
             # tell the others which ranks are gone: they may be waiting on this rank
@@ -307,6 +324,20 @@ class Core(_Mailbox):
             self.brk(GroupBrokenError(why))  # (the cause: a KeyboardInterrupt says nothing)
         self.brk(e)
 
+    def _record_p2p(self, op: str, peer: Any, tag: int, start: float, err: str | None,
+                    sent: int, received: int, size: int | None, waited: list[int]) -> None:
+        """A point-to-point call, ended, into the flight recorder (see _CoreState)."""
+        if self.flight is not None:
+            self.flight.append((op, None, peer, tag, start, _monotonic(), err, sent, received,
+                                size if sent else 0, None if sent else size, waited))
+
+    def _attach_record(self, e: BaseException) -> None:
+        """A timeout, mismatch or loss carries the flight record, with the call it ended
+        still in progress (what it waited for), for the one who reads the error."""
+        if isinstance(e, (CollectiveTimeoutError, MismatchError, GroupBrokenError)) \
+                and not e.flight_record:
+            e.flight_record = self.flight_record()
+
     def send(self, obj: Any, dst: int | tuple[int, ...], tag: int, timeout: float | None,
              what: str = "", broken_ok: bool = False) -> Wait:
         """Point to point: ``obj`` to ``dst``, or to each rank of a tuple (encoded once).
@@ -325,18 +356,30 @@ class Core(_Mailbox):
             raise CodecError(f"{_send_name(name, dst, tag)} on group {self.name!r}, "
                              f"rank {self.rank}: {e}") from None
         ep, count = self.ep, self.p2p_out
+        start = _monotonic()
         for d in dsts:  # (each destination numbers what it gets from this rank: 1, 2...)
             n = count.get(d, 1)
             self._emit(w.P2P, (d,), n, tag, 0, w.NO_ROOT, self.codec, payload, bufs)
             count[d] = n + 1
         self.sent += len(dsts)
-        if ep.unflushed:  # else nothing is queued: no backlog to wait out
-            name = _send_name(name, dst, tag)
-            t = self.timeout if timeout is None else float(timeout)
-            yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None,
-                                          False, stop)
-        if self.gone or self.suspects:  # lost while it was sent: the rest was dropped
-            self._unreachable(dsts, _send_name(name, dst, tag))
+        err = None
+        try:
+            if ep.unflushed:  # else nothing is queued: no backlog to wait out
+                name = _send_name(name, dst, tag)
+                t = self.timeout if timeout is None else float(timeout)
+                yield from self._backpressure(list(dsts), time.monotonic() + t, t, name, None,
+                                              False, stop)
+            if self.gone or self.suspects:  # lost while it was sent: the rest was dropped
+                self._unreachable(dsts, _send_name(name, dst, tag))
+        except BaseException as e:
+            err = self._p2p_failed(e)
+            raise
+        finally:
+            if self.flight is not None:
+                size = _nbytes(payload) + sum(_nbytes(b) for b in bufs) if bufs \
+                    else len(payload)
+                self._record_p2p(what or "send", dst, tag, start, err, len(dsts), 0, size,
+                                 list(dsts) if err else _NONE_LOST)
         if self._deferred:  # asked for while this call ran
             self.run_deferred_here()
 
@@ -357,11 +400,15 @@ class Core(_Mailbox):
         if line is None:
             q = p2p.get(key)
             if q:  # there already, and no receive of it called before this one
-                return self._next_of(key, q, what or f"recv(src={src}, tag={tag})")
+                got = self._next_of(key, q, what or f"recv(src={src}, tag={tag})")
+                self._record_p2p(what or "recv", src, tag, _monotonic(), None, 0, 1, self._got,
+                                 _NONE_LOST)
+                return got
         t = self.timeout if timeout is None else float(timeout)
         name = what or f"recv(src={src}, tag={tag})"
-        deadline = _monotonic() + t
-        me = PointWait(name, [src])
+        start = _monotonic()
+        deadline = start + t
+        me = PointWait(name, [src], start, tag)
         if line is None:
             line = lines[key] = [me]
         else:
@@ -372,6 +419,7 @@ class Core(_Mailbox):
             self._lead_loop = me.loop
             lead = self._lead_n = self._lead_n + 1
         x = NO_STEP
+        err = None
         try:
             while True:
                 if line[0] is me or self._first_past_gone(line, me):
@@ -395,12 +443,27 @@ class Core(_Mailbox):
                 else:
                     yield from self.follow(delay)
                 self.pump()
-        except GeneratorExit:
-            if lead:
-                self._cancelled_recv(name)
+        except BaseException as e:
+            err = self._recv_failed(e, name, lead)
             raise
         finally:
             self._recv_ends(me, key, x, lead)
+            self._record_p2p(name, src, tag, start, err, 0, int(err is None),
+                             self._got if err is None else None, me.waiting_for)
+
+    def _recv_failed(self, e: BaseException, name: str, lead: int) -> str:
+        """(recv ended by ``e``.) What its flight record says of it."""
+        if isinstance(e, GeneratorExit) and lead:
+            self._cancelled_recv(name)
+        return self._p2p_failed(e)
+
+    def _p2p_failed(self, e: BaseException) -> str:
+        """(A point-to-point call ended by ``e``.) What its flight record says of it; the
+        error carries the record."""
+        if isinstance(e, GeneratorExit):
+            return "cancelled"
+        self._attach_record(e)
+        return said(e)
 
     def _broken_in_recv(self, name: str) -> BaseException:
         """What a recv raises on finding the group broken (as a collective's wait does, but
@@ -417,6 +480,8 @@ class Core(_Mailbox):
         m = q.popleft()
         if not q:
             del self.p2p[key]
+        self._got = _nbytes(m.payload) + (sum(_nbytes(b) for b in m.buffers) if m.buffers
+                                          else 0)
         return self._decode(m, name)
 
     def _cancelled_recv(self, name: str) -> None:

@@ -15,6 +15,7 @@ from .._errors import (
     MismatchTimeoutError,
     PeerLostError,
 )
+from .._patience import first_warning, waited
 from ._common import (
     _NONE_LOST,
     EXIT_GRACE,
@@ -36,6 +37,8 @@ from ._common import (
 )
 from ._mismatch import _Mismatch
 
+EXITED = "is gone (its process exited)"
+
 
 class _Liveness(_Mismatch):
     """Which peers are gone or silent, what the ranks waited for are asked, and when a wait ends:
@@ -48,7 +51,7 @@ class _Liveness(_Mismatch):
             # meanwhile, or as the call settles, says better why (a guess, as a silence is)
             until = min(self.suspects.get(rank, (math.inf, ""))[0],
                         time.monotonic() + EXIT_GRACE)
-            self.suspects[rank] = (until, "is gone (its process exited)")
+            self.suspects[rank] = (until, EXITED)
             return
         text = f"is gone ({why}; its process died or exited without close())"
         if certain:
@@ -125,7 +128,11 @@ class _Liveness(_Mismatch):
         for r in self.reported | self.aborters:
             self.gone.pop(r, None)
             self._guessed.discard(r)
-            self.suspects.pop(r, None)
+            # (unless this rank saw its process exit: a word heard first made that moot,
+            # and it is seen once only; a connection's end is not kept, as a rank's abort
+            # ends its connections and it may be alive and in the shrink)
+            if self.suspects.get(r, (0.0, ""))[1] != EXITED:
+                self.suspects.pop(r, None)
         self.reported.clear()
         self.aborters.clear()
 
@@ -195,7 +202,7 @@ class _Liveness(_Mismatch):
                 self._send_raw(s, w.STATUS_REQ, b"")
             return min(deadline, suspect_at) - now
         if seq is not None:  # a collective: ask early, then less and less often
-            probe_at = min(probe_at, self._probe_early(missing, now, start))
+            probe_at = min(probe_at, self._probe_early(missing, now, start, name, seq, t))
         return min(probe_at, suspect_at) - now
 
     def _settle_or_raise(self, lost: list[int], now: float, deadline: float, name: str,
@@ -221,13 +228,19 @@ class _Liveness(_Mismatch):
             f"{what} on group {self.name!r} cannot complete on rank {self.rank}: "
             + "; ".join(f"rank {s} {self.gone[s]}" for s in lost), ranks=lost)
 
-    def _probe_early(self, missing: list[int], now: float, start: float) -> float:
-        """(_wait, in a collective that started at ``start``.) Ask ``missing`` what they are
-        doing 1, 3, 7... s into it (FIRST_PROBE); when to ask next."""
+    def _probe_early(self, missing: list[int], now: float, start: float, name: str = "",
+                     seq: int | None = None, t: float | None = None) -> float:
+        """(_wait, in a collective ``name`` #``seq`` with timeout ``t`` that started at
+        ``start``.) Ask ``missing`` what they are doing 1, 3, 7... s into it (FIRST_PROBE);
+        when to ask next. From a tenth of its timeout on (see ``_patience``), it also logs a
+        warning that says what it waits for (what they said when last asked)."""
         last = self._last_probe
         early = start + FIRST_PROBE if last < start else 2 * last - start + FIRST_PROBE
         if now >= early:
             self._last_probe = now
+            if now - start >= first_warning(t):
+                waited(f"{name} #{seq} on group {self.name!r}, rank {self.rank}", now - start,
+                       t, f"ranks {missing} ({self._peer_states(missing, 'no answer yet')[1]})")
             for s in missing:
                 self._send_raw(s, w.STATUS_REQ, b"")
             early = 2 * now - start + FIRST_PROBE

@@ -179,6 +179,7 @@ class _Mailbox(_Liveness):
         mailbox counts one, and decoded."""
         data = x.raw.pop(src)
         self._count_p2p(src, x.seq)
+        self._got = len(data)
         try:
             return _ploads(data)
         except Exception as e:  # unpickling runs code: anything can come out

@@ -20,6 +20,7 @@ from ._common import (
     MAX_PAYLOAD,
     _check_size,
     _first_pass,
+    _nbytes,
 )
 from ._state import _CoreState
 
@@ -49,7 +50,7 @@ class _Sending(_CoreState):
             pass
 
     def _post(self, sends: tuple[tuple[int, Any], ...], rnd: int, seq: int, opcode: int,
-              root: int) -> None:
+              root: int) -> int:
         if self._send_failed is not None:
             # this call sent a failure in place of an object already: its later sends carry
             # it too (recursive doubling's next partial result may be encodable again, and
@@ -72,12 +73,14 @@ class _Sending(_CoreState):
             self._xs.send_framed(dsts, w.stream_messages(  # type: ignore[union-attr]
                 dsts, _COLL, self.rank, self.group_id, seq, rnd, opcode, root, _PICKLE, enc,
                 self.key))
+            n = len(enc)
         else:
-            self._post_each(sends, each, dsts, rnd, seq, opcode, root, enc)
+            n = self._post_each(sends, each, dsts, rnd, seq, opcode, root, enc)
         self.sent += len(sends)
+        return n  # (the bytes encoded, each object once: for the flight recorder)
 
     def _post_each(self, sends: tuple[tuple[int, Any], ...], each: bool, dsts: Sequence[int],
-                   rnd: int, seq: int, opcode: int, root: int, enc: Any) -> None:
+                   rnd: int, seq: int, opcode: int, root: int, enc: Any) -> int:
         """:meth:`_post` of the object of ``sends[0]`` to ``dsts``, or (``each``) of each
         object of ``sends`` to its destination, encoded once per object; ``enc``: what the
         first pickling pass found of the one object (see :meth:`_encoded`). An object this
@@ -94,6 +97,7 @@ class _Sending(_CoreState):
                 else:
                     entry[1].append(dst)
             groups = by_obj.values()
+        n = 0
         for obj, to in groups:
             try:
                 payload, bufs = self._encoded(obj, enc)
@@ -102,6 +106,8 @@ class _Sending(_CoreState):
             if bufs or len(payload) > MAX_PAYLOAD:
                 payload, bufs = self._sized(payload, bufs, opcode)
             self._emit(w.COLL, to, seq, rnd, opcode, root, self.codec, payload, bufs)
+            n += _nbytes(payload) + sum(_nbytes(b) for b in bufs)
+        return n
 
     def _encoded(self, obj: Any, enc: Any = None) -> tuple[Any, tuple[Any, ...]]:
         """``obj`` in the group's codec: payload and out-of-band buffers. ``enc``: what a

@@ -8,6 +8,7 @@ import asyncio
 import math
 import os
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, cast
@@ -33,6 +34,7 @@ from ._common import (
     Past,
     PointWait,
     Said,
+    flight_record_size,
 )
 
 
@@ -153,6 +155,14 @@ class _CoreState:
         # of a call that returned here, from a rank that called something else, is a
         # mismatch found late
         self._recent: list[Active] = [Active("", -1, 0, 0)] * RECENT
+        # the flight recorder: this rank's last calls, each (name, seq, peer, tag, start,
+        # end, error, sent, received, bytes sent, bytes received, ranks last waited for),
+        # where seq is None for a point-to-point call (peer: its src or dst; a
+        # collective's root, or NO_ROOT); times are monotonic (see flight_record)
+        n = flight_record_size()
+        self.flight: deque[tuple[Any, ...]] | None = deque(maxlen=n) if n else None
+        self._since = 0.0  # when the collective in progress began
+        self._got = 0  # the size of the message a recv took last (for its flight record)
         self.ctx = _plans.Ctx(rank, size)
         self.hb = heartbeat
         self._pid = os.getpid()  # (close() in a forked child leaves the parent's sockets be)
@@ -179,3 +189,43 @@ class _CoreState:
         # ... and read the short way where a read begins with it (ExpressEndpoint)
         self._xr = cast(ExpressEndpoint, endpoint) if self._fast and endpoint.EXPRESS else None
         self._sink: Callable[[w.Message | None], int | None]  # (the mailbox's: Core)
+
+    def flight_record(self) -> list[dict[str, Any]]:
+        """This rank's last calls on the group, oldest first, then those in progress (see
+        :meth:`ctrlcomm.Group.flight_record`)."""
+        # (what another thread's calls change, read first, each in one step: a list made of
+        # a deque or dict is made without a switch of threads; then the clock, so that no
+        # call in progress began after it)
+        done = list(self.flight) if self.flight is not None else []
+        a, since, waiting = self.active, self._since, self.waiting_for
+        recvs = [p for line in list(self._lines.values()) for p in list(line)]
+        now = time.monotonic()
+        wall = time.time() - now
+        out = [_record(r, wall) for r in done]
+        if a is not None:
+            out.append(_record((a.name, a.seq, a.root, None, since, None, None, None, None,
+                                None, None, waiting), wall, now))
+        for p in recvs:
+            out.append(_record((p.name, None, p.waiting_for[0], p.tag, p.since, None, None,
+                                None, None, None, None, p.waiting_for), wall, now))
+        return out
+
+
+def _record(r: tuple[Any, ...], wall: float, now: float = 0.0) -> dict[str, Any]:
+    """A flight record's tuple as the dict Group.flight_record returns."""
+    name, seq, peer, tag, start, end, err, sent, received, bsent, breceived, waited = r
+    p2p = seq is None
+    if p2p:  # (a name as errors give it, "recv_obj(src=1)": the call's)
+        name = name.partition("(")[0]
+    state = "running" if end is None else "done" if err is None else "failed"
+    return {
+        "op": name, "seq": seq,
+        "root": None if p2p or peer == w.NO_ROOT else peer,
+        "peer": peer if p2p else None, "tag": tag,
+        "state": state, "error": err,
+        "started": start + wall,
+        "duration_s": (now if end is None else end) - start,
+        "messages_sent": sent, "messages_received": received,
+        "bytes_sent": bsent, "bytes_received": breceived,
+        "waited_for": list(waited),
+    }

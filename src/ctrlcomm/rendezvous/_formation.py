@@ -28,11 +28,14 @@ from .._errors import (
     StoreTimeoutError,
     WireError,
 )
+from .._patience import Watch, note, until_due
 from ..transport._net import (
     _tcp,
     _wildcard,
     proc_address,
+    proc_runs,
     resolve,
+    same_host_procs,
 )
 from ._client import StoreClient, _check_host
 
@@ -152,6 +155,9 @@ SETTLE_S = 2.0  # how long rank 0 waits for the others to read that the group is
 # how often rank 0, waiting for ranks, compares the settings of those in (and a rank waiting
 # for rank 0 looks whether the group formed without it: FORMED)
 DIFFER_CHECK_S = 0.5
+# A rank waiting for the address table looks which ranks have not joined this long before
+# the warning a long wait logs says it (_patience)
+TABLE_LOOK_S = 0.5
 # Where, in a group's namespace of the store, formation keeps its keys (deleted once the group
 # is formed): apart from the keys the ranks set through the group's store client (Group.store)
 FORMATION = "ctrlcomm:formation/"
@@ -160,6 +166,12 @@ FORMATION = "ctrlcomm:formation/"
 # of rank 0's address line it knew: only a mark of the try a rank is in counts (one of an
 # earlier try of this name, never deleted where that try failed, does not).
 GAVE_UP = f"{FORMATION}gave-up/"
+# Where rank 0 could not bind its store's port, and a store of ours holds it that takes its
+# word (another group's), it leaves why here, "EXPIRY|why" (EXPIRY: its deadline, wall
+# clock): the ranks that wait for it read it, and fail at once with its error, not at their
+# deadlines with none (tell_bind_failure, _rank0)
+# (Not under FORMATION: the store lets only the ranks that joined a formation touch its keys.)
+RANK0_FAILED = "ctrlcomm:rank0-failed"
 # The table of the group formed under a name, kept by its rank 0 until it closes the group: a
 # rank that comes after formation (a restarted process, or a duplicate) reads there at once
 # that the group formed without it, and which process holds its rank, instead of waiting out
@@ -173,19 +185,12 @@ def _proc_gone(line: str) -> bool:
     that no longer runs (a stale FORMED table: its rank 0 died without closing, with the
     store elsewhere). A process of another host is taken to run."""
     rec = _record(line)
-    proc = next(iter(rec.named("proc")), "").split(":") if rec is not None else []
-    mine = proc_address().split(":")
-    if len(proc) != 4 or len(mine) != 4 or proc[1] != mine[1]:
-        return False
-    if proc[2] == mine[2]:
+    proc = next(iter(rec.named("proc")), "") if rec is not None else ""
+    mine = proc_address()
+    if proc and proc == mine:
         return True
-    try:
-        with open(f"/proc/{int(proc[2])}/stat", "rb") as f:
-            st = f.read()
-        fields = st[st.rindex(b")") + 2:].split()
-        return int(fields[19]) != int(proc[3]) or fields[0] in (b"Z", b"X")
-    except (OSError, ValueError, IndexError):
-        return True
+    here = same_host_procs({0: proc}, mine)
+    return bool(here) and not proc_runs(*here[0])
 
 
 def _formed_without(store: StoreClient, rank: int, name: str, deadline: float,
@@ -263,6 +268,20 @@ def _silent_store(store: StoreClient, name: str, rank: int, rank0_hosts: bool,
 def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: str,
                 deadline: float, rank0_hosts: bool = True, late_check: bool = True
                 ) -> tuple[str, str, dict[int, str]]:
+    """:func:`_rendezvous_now`, telling what it waits for once it has waited long (a warning
+    through logging, see ``_patience``: "formation of 'ctrl', rank 0: 30 s of 300 s, waiting
+    for ranks [3] to join")."""
+    where = f"the store at {getattr(store, 'host', '?')}:{getattr(store, 'port', '?')}"
+    with Watch(f"formation of {name!r}, rank {rank}", deadline - time.monotonic(),
+               f"{where} to answer" + (" (rank 0 hosts it: is rank 0 up?)" if rank0_hosts
+                                       else "")):
+        return _rendezvous_now(store, address, rank, size, name, deadline, rank0_hosts,
+                               late_check)
+
+
+def _rendezvous_now(store: StoreClient, address: str, rank: int, size: int, name: str,
+                    deadline: float, rank0_hosts: bool = True, late_check: bool = True
+                    ) -> tuple[str, str, dict[int, str]]:
     """Publish this rank's address; return (nonce, secret, {rank: address}) of the formed
     group.
 
@@ -304,6 +323,7 @@ def _rendezvous(store: StoreClient, address: str, rank: int, size: int, name: st
     # address table), "differ" (the ranks' settings differ: the keys stay, see _withdraw)
     # (and "rank0": the token of rank 0's address line, once known)
     done: dict[str, str] = {"rank0": _token(address)} if rank == 0 else {}
+    note(f"ranks {list(range(1, size))} to join" if rank == 0 else "rank 0 to join")
     try:
         return _join(store, address, rank, size, name, deadline, done, rank0_hosts,
                      late_check)
@@ -355,6 +375,7 @@ def _wait_for_ranks(store: StoreClient, keys: list[str], name: str, address: str
         try:
             have = store.exists(keys[1:], timeout=ASK_S)
             joined = [k for k, h in zip(keys[1:], have, strict=True) if h]
+            note(f"ranks {[r for r, h in enumerate(have, 1) if not h]} to join")
             got = store.multi_get(joined, wait=False, timeout=ASK_S) if joined else []
         except (StoreError, KeyError):  # (KeyError: a rank withdrew meanwhile; next time)
             continue
@@ -406,6 +427,7 @@ def _lead(store: StoreClient, keys: list[str], address: str, name: str, deadline
                         timeout=_left(deadline))
     store.set(f"{FORMATION}table", "\n".join([nonce, *addrs]), timeout=_left(deadline))
     if size > 1:
+        note("every rank to read the address table")
         _settled(store, nonce, 0, size, name, deadline, rank0_hosts=rank0_hosts)
     # this formation's keys only: the ranks may have set keys of their own already,
     # through the group's store client, since they read the table; and, having closed
@@ -415,7 +437,7 @@ def _lead(store: StoreClient, keys: list[str], address: str, name: str, deadline
     table = "\n".join([nonce, *addrs])
     try:  # (best effort: formed; rank 0's wait in _settled may have reached the deadline)
         store.set(FORMED, table, timeout=ASK_S)
-        store.multi_delete([keys[0], f"{FORMATION}table",
+        store.multi_delete([keys[0], f"{FORMATION}table", RANK0_FAILED,
                             *(f"{GAVE_UP}{r}" for r in range(size)),
                             *(f"{FORMATION}secret/{r}" for r in range(1, size))],
                            timeout=ASK_S)
@@ -475,7 +497,9 @@ def _follow(store: StoreClient, keys: list[str], address: str, rank: int, name: 
     if differ:
         done["differ"] = ""
         raise FormationError(differ)
+    note("rank 0's address table (published once every rank has joined)")
     lines = _table(store, address, rank, size, name, deadline, done, rank0_hosts)
+    note("every rank to read the address table")
     nonce = lines[0]
     try:  # (set before the table was: there, unless the table is another try's)
         secret = store.get(f"{FORMATION}secret/{rank}", wait=False,
@@ -517,15 +541,52 @@ def _rank0(store: StoreClient, key: str, rank: int, name: str, deadline: float,
             if not late_check or not e.answered or left <= DIFFER_CHECK_S:
                 raise
         _formed_without(store, rank, name, deadline)
+        _rank0_failed(store, rank, name)
+
+
+def tell_bind_failure(store: StoreClient, why: str, deadline: float) -> None:
+    """(Rank 0, whose store could not bind its port, held by ``store``.) Leave ``why`` for the
+    ranks that wait for rank 0 there, until ``deadline``; best effort."""
+    expiry = time.time() + max(deadline - time.monotonic(), 0.0)
+    try:
+        store.set(RANK0_FAILED, f"{expiry:.3f}|{why}", timeout=ASK_S)
+    except (StoreError, OSError):
+        pass
+
+
+def _rank0_failed(store: StoreClient, rank: int, name: str) -> None:
+    """Raise rank 0's error where it could not bind its store (see RANK0_FAILED)."""
+    try:
+        text = store.get(RANK0_FAILED, wait=False, timeout=ASK_S).decode(errors="replace")
+    except (KeyError, StoreError):
+        return
+    expiry, _, why = text.partition("|")
+    try:
+        if float(expiry) < time.time():
+            return  # (an earlier try's)
+    except ValueError:
+        return
+    raise FormationError(f"group {name!r} not formed on rank {rank}: rank 0 failed: {why} "
+                         "(this rank reached another program's store on that port)")
 
 
 def _table(store: StoreClient, address: str, rank: int, size: int, name: str,
            deadline: float, done: dict[str, str], rank0_hosts: bool) -> list[str]:
     """The lines of the address table rank 0 published for this try (its nonce first)."""
+    noted = False  # (which ranks rank 0 waits for: looked up just before a warning says it)
     while True:
+        left = _left(deadline)
+        due = until_due()
+        look = due + 0.05 if noted else max(due - TABLE_LOOK_S, 0.05)
         try:
-            text = store.get(f"{FORMATION}table", timeout=_left(deadline)).decode()
+            text = store.get(f"{FORMATION}table", timeout=min(left, look)).decode()
         except StoreTimeoutError as e:
+            if e.answered and left > look:
+                noted = noted and until_due() <= TABLE_LOOK_S
+                if not noted and until_due() <= TABLE_LOOK_S:
+                    _note_missing(store, size)
+                    noted = True
+                continue
             if not e.answered:
                 raise _silent_store(store, name, rank, rank0_hosts, rank0_joined=True) \
                     from None
@@ -548,6 +609,19 @@ def _table(store: StoreClient, address: str, rank: int, size: int, name: str,
                 "for an earlier try of this rank, or for an earlier group of this name): "
                 "try again")
         time.sleep(0.05)
+
+
+def _note_missing(store: StoreClient, size: int) -> None:
+    """(A rank that waits for the address table.) Which ranks have not joined, as the store
+    tells (each rank's key is there from its join until it reads the table), noted for the
+    warning a long wait logs."""
+    try:
+        have = store.exists([f"{FORMATION}rank/{r}" for r in range(size)], timeout=ASK_S)
+    except StoreError:
+        return
+    missing = [r for r, h in enumerate(have) if not h]
+    note(f"ranks {missing} to join (rank 0 publishes the address table then)" if missing
+         else "rank 0's address table")
 
 
 def _settled(store: StoreClient, nonce: str, rank: int, size: int, name: str,

@@ -4,10 +4,13 @@
   messages in a random order, and fails on deadlock or stray messages.
 - :func:`run_ranks` spawns real processes (one per rank) and collects their results.
 - :func:`run_group` does the same with a :class:`ctrlcomm.Group` already formed in each rank.
+- :func:`kill_ranks` kills ranks of a group (SIGKILL, as a crash) once all are in step, for
+  testing what the others do then.
 """
 
 from ._runner import RankFailedError as RankFailedError
 from ._runner import free_port as free_port
+from ._runner import kill_ranks as kill_ranks
 from ._runner import run_group as run_group
 from ._runner import run_ranks as run_ranks
 from ._sim import DeadlockError as DeadlockError
@@ -19,6 +22,7 @@ __all__ = [
     "RankFailedError",
     "SimResult",
     "free_port",
+    "kill_ranks",
     "run_group",
     "run_ranks",
     "simulate",

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -461,3 +461,26 @@ def run_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     with StoreServer("127.0.0.1", 0, auth_key=key, encrypt=bool(gk.get("encrypt"))) as srv:
         return run_ranks(_group_child, world_size, fn, srv.port, group_kwargs or {}, args,
                          timeout=timeout)
+
+
+def kill_ranks(group: Any, victims: Sequence[int],
+               before: Callable[[], None] | None = None) -> list[int]:
+    """Called on every rank of ``group``: kill the processes of ranks ``victims`` (SIGKILL:
+    no goodbye, as a crash), once every rank is past a barrier (a victim's all_reduce
+    returns only once every rank is in it, so none is killed while another still waits in
+    the barrier for it); ``before``: run by each victim just before it dies. On the other
+    ranks, returns the ranks their next calls find lost (sorted)."""
+    from .._errors import PeerLostError
+
+    group.barrier()
+    if group.rank in victims:
+        group.all_reduce(0)
+        if before is not None:
+            before()
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        group.all_reduce(0)
+        group.barrier()
+    except PeerLostError as e:
+        return sorted(e.ranks)
+    raise RuntimeError(f"rank {group.rank}: no loss seen after killing ranks {list(victims)}")

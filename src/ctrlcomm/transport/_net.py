@@ -489,6 +489,17 @@ def same_host_procs(addresses: dict[int, str], mine: str) -> dict[int, tuple[int
     return out
 
 
+def proc_runs(pid: int, start: int) -> bool:
+    """Whether the process of this host with ``pid`` and start time ``start`` (as
+    :func:`same_host_procs` gives them) still runs: not exited, not a zombie, its pid not
+    taken by another since."""
+    try:
+        fields = _proc_stat(f"/proc/{pid}/stat")
+        return int(fields[19]) == start and fields[0] not in (b"Z", b"X")
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def _local_mode() -> str:
     """``CTRLCOMM_LOCAL_SOCKETS``: "auto" (default), "1" (always) or "0" (never)."""
     mode = os.environ.get("CTRLCOMM_LOCAL_SOCKETS", "auto").strip().lower()
