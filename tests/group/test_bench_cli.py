@@ -8,7 +8,12 @@ import sys
 import pytest
 
 
-def run(*args, timeout=300, env=None):
+def run(*args, timeout=300, env=None, default_against=False):
+    """``ctrlcomm bench ARGS``; a local run compares with nothing unless the test asks for
+    --against, or for its default (``default_against``: what is installed)."""
+    if "-n" in args and not {"--against", "--from-json", "--formation", "--host"} & set(args) \
+            and not default_against:
+        args = (*args, "--against", "none")
     return subprocess.run([sys.executable, "-m", "ctrlcomm", "bench", *args], capture_output=True,
                           text=True, timeout=timeout,
                           env=None if env is None else {**os.environ, **env})
@@ -83,7 +88,7 @@ def test_the_json_says_how_the_run_was_made(tmp_path):
     assert p.returncode == 0, p.stderr
     cfg = json.loads(out.read_text())["config"]
     assert cfg["command"] == f"ctrlcomm bench -n 2 --ops barrier --iters 3 --warmup 0 " \
-        f"--json {out}"
+        f"--json {out} --against none"
     import zmq
 
     import ctrlcomm
@@ -534,7 +539,7 @@ def test_the_table_keeps_ctrlcomm_as_its_base_when_ctrlcomm_failed(monkeypatch, 
     shown_head = capsys.readouterr().out.splitlines()[0]
     assert shown_head == live_head and live_head.index("store") < live_head.index("gloo")
     monkeypatch.setattr(_bench, "run_local", ran([]))
-    assert _cli.main(["bench", "-n", "2", "--ops", "barrier"]) == 1
+    assert _cli.main(["bench", "-n", "2", "--ops", "barrier", "--against", "none"]) == 1
     assert "nothing ran" in capsys.readouterr().err
 
 
@@ -764,7 +769,7 @@ def test_bench_ended_by_a_signal_leaves_no_rank_running(sig):
     import time
 
     p = subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", "-n", "3", "--ops",
-                          "barrier", "--iters", "10000000", "--warmup", "0"],
+                          "barrier", "--iters", "10000000", "--warmup", "0", "--against", "none"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ranks = []
     try:
@@ -800,7 +805,7 @@ def test_ctrl_c_while_the_ranks_start_prints_one_line_and_no_traceback():
     import time
 
     p = subprocess.Popen([sys.executable, "-m", "ctrlcomm", "bench", "-n", "3", "--ops",
-                          "barrier", "--iters", "10000000", "--warmup", "0"],
+                          "barrier", "--iters", "10000000", "--warmup", "0", "--against", "none"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)  # a process group of its own, as in a shell
     ranks = []
@@ -981,7 +986,7 @@ def test_the_files_are_written_whatever_becomes_of_standard_output(tmp_path):
     traceback. (They were written after the table: a BrokenPipeError lost both.)"""
     pytest.importorskip("matplotlib")
     args = [sys.executable, "-m", "ctrlcomm", "bench", "-n", "2", "--ops", "barrier",
-            "--iters", "3", "--warmup", "1"]
+            "--iters", "3", "--warmup", "1", "--against", "none"]
     for how in ("closed pipe", "full disk"):
         out, plot = tmp_path / f"{how}.json", tmp_path / f"{how}.png"
         cmd = [*args, "--json", str(out), "--plot", str(plot)]
@@ -1140,3 +1145,43 @@ def test_bench_formation_refuses_what_it_does_not_take():
     assert p.returncode == 2 and "--formation takes" in p.stderr
     p = run("--formation", "--against", "mpi")
     assert p.returncode == 2 and "use gloo, vllm" in p.stderr
+
+
+def test_bench_compares_by_default_with_what_is_installed(tmp_path):
+    # gloo (torch) and MPI (mpi4py, MPICH) are installed for the tests: a run that names
+    # nothing compares with both, and the legend explains the ratio column it shows
+    pytest.importorskip("torch")
+    pytest.importorskip("mpi4py")
+    out = tmp_path / "d.json"
+    p = run("-n", "2", "--ops", "barrier", "--iters", "5", "--warmup", "1", "--json", str(out),
+            default_against=True)
+    assert p.returncode == 0, p.stderr
+    systems = {r["system"] for r in json.loads(out.read_text())["results"]}
+    assert {"ctrlcomm", "gloo", "mpi"} <= systems, systems
+    text = " ".join(p.stdout.split())
+    assert "gloo med" in p.stdout and "mpi med" in p.stdout
+    assert "x: that system's median over ctrlcomm's" in text
+    assert "n/a" not in text  # (every system ran a barrier: no cell is n/a, nor explained)
+    # with neither installed, it compares with nothing: the legend names no ratio column
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['mpi4py'] = None; "
+            "from ctrlcomm._cli import main; sys.exit(main(sys.argv[1:]))")
+    p = subprocess.run([sys.executable, "-c", code, "bench", "-n", "2", "--ops", "barrier",
+                        "--iters", "5", "--warmup", "1"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    head = p.stdout.splitlines()[0]
+    assert "ctrlcomm med" in head and "gloo" not in head and "mpi" not in head
+    assert "x:" not in p.stdout and "n/a" not in p.stdout and "med, p99:" in p.stdout
+
+
+def test_the_plot_title_names_the_machine_and_date():
+    from ctrlcomm.bench import _run as b
+
+    cfg = {"cpus": 2, "python": "3.11.7", "when": "2026-12-07T10:00:00",
+           "host": {"cpu": "AMD EPYC", "kernel": "Linux 6.18"}}
+    title = b.plot_title(cfg)
+    assert "median latency" in title and "p99" in title
+    assert all(s in title for s in ("AMD EPYC", "2 CPUs", "Linux 6.18", "2026-12-07 10:00:00"))
+    # one colour per system, whatever the order of the systems in the run
+    assert len({b.COLORS[s] for s in ("ctrlcomm", "ctrlcomm-aio", "gloo", "mpi", "store",
+                                      "star")}) == 6

@@ -130,7 +130,9 @@ def _formation(args: argparse.Namespace) -> int:
               and getattr(args, x) not in (None, False)]
     if others or args.plot or args.from_json:
         raise _Stop(2, "--formation takes -n, --repeat, --against and --json only")
-    asked = [s.strip() for s in (args.against or "gloo,vllm").split(",") if s.strip()]
+    text = "gloo,vllm" if args.against is None else "" if args.against.strip() == "none" \
+        else args.against
+    asked = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in asked if s not in f.SYSTEMS[1:]]
     if unknown:
         raise _Stop(2, f"--formation --against: {', '.join(unknown)}: use gloo, vllm")
@@ -325,11 +327,22 @@ def _local_run(args: argparse.Namespace, cfg: dict[str, Any], systems: list[str]
     return b.run_local(cfg["world_sizes"], systems, cfg, failed=failed)
 
 
+def _against(args: argparse.Namespace) -> str:
+    """The systems to compare with: ``--against``'s (``none``: none), else those installed:
+    gloo where torch imports, MPI where mpi4py and an MPI do."""
+    from ._baselines import missing
+
+    if args.against is not None:
+        return "" if args.against.strip() == "none" else str(args.against)
+    return ",".join(s for s in ("gloo", "mpi") if missing(s) is None)
+
+
 def _add_against(args: argparse.Namespace, cfg: dict[str, Any], systems: list[str]) -> None:
     from ._baselines import missing
 
     known = ("gloo", "mpi", "store", "star", "ctrlcomm-nohb", "ctrlcomm-hb10ms")
-    for other in [a.strip() for a in (args.against or "").split(",") if a.strip()]:
+    against = _against(args)
+    for other in [a.strip() for a in against.split(",") if a.strip()]:
         if other not in known:
             raise _Stop(2, f"unknown system {other!r} in --against ({', '.join(known)})")
         why = missing(other)
@@ -367,7 +380,7 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], cfg: dict[str,
             code = 1
     if args.plot:
         try:
-            b.plot(args.plot, rows)
+            b.plot(args.plot, rows, cfg)
             wrote.append(args.plot)
         except OSError as e:  # (a full disk: the table is still worth printing)
             print(f"--plot {args.plot}: {e}", file=sys.stderr)
@@ -455,7 +468,9 @@ def add_bench_parser(sub: Any) -> None:
     bp.add_argument("--against", help="compare with: gloo,mpi,store,star (star: all_reduce "
                                       "as Megatron's original; added with gloo); "
                                       "ctrlcomm-nohb, ctrlcomm-hb10ms: ctrlcomm without "
-                                      "heartbeats, with one every 10 ms")
+                                      "heartbeats, with one every 10 ms; none: nothing "
+                                      "(default: gloo where torch is installed, mpi where "
+                                      "mpi4py and an MPI are)")
     bp.add_argument("--plot", help="write a plot (PNG unless the name says another type "
                                    "matplotlib writes; needs matplotlib)")
     bp.add_argument("--from-json", help="show the table (and --plot) of a saved run; run nothing")

@@ -253,11 +253,27 @@ def fmt_ratio(r: float) -> str:
     return f"{r:.2g}x" if r < 1 else f"{r:.1f}x"
 
 
-LEGEND = ("med, p99: per iteration the slowest rank's time, then the median and 99th "
-          "percentile over iterations; cpu: CPU time per op per rank; x: that system's "
-          "median over {base}'s (above 1: {base} is faster); n/a: not run (the system "
-          "has no such op: gloo no all_to_all of objects, star only all_reduce of a few "
-          "ints; or its run failed, as said before the table)")
+# What a column, or a system with gaps, means: the legend says those the table shows only
+LEGEND_TIMES = ("med, p99: per iteration the slowest rank's time, then the median and 99th "
+                "percentile over iterations; cpu: CPU time per op per rank")
+LEGEND_RATIO = "x: that system's median over {base}'s (above 1: {base} is faster)"
+LEGEND_NA = "n/a: not run ({why})"
+LEGEND_GAPS = {"gloo": "gloo has no all_to_all of objects",
+               "star": "star runs only all_reduce of a few ints"}
+
+
+def legend(systems: Sequence[str], na: Sequence[str]) -> str:
+    """The table's legend: its columns, and why a cell is n/a where one is (``na``: the
+    systems with such cells)."""
+    parts = [LEGEND_TIMES]
+    if len(systems) > 1:
+        parts.append(LEGEND_RATIO.format(base=systems[0]))
+    if na:
+        why = [LEGEND_GAPS[s] for s in dict.fromkeys(na) if s in LEGEND_GAPS]
+        parts.append(LEGEND_NA.format(why="; ".join([
+            *why, "or its run failed, as said before the table" if why
+            else "its run failed, as said before the table"])))
+    return "; ".join(parts)
 
 
 def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
@@ -274,12 +290,14 @@ def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
     keys = sorted({(r["op"], r["size"], r["world_size"]) for r in rows},
                   key=lambda k: (DEFAULT_OPS.index(k[0]) if k[0] in DEFAULT_OPS else 99,
                                  k[1], k[2]))
+    na: list[str] = []
     for op, size, n in keys:
         line = f"{op:<11}{fmt_size(size) if size else '-':>6}{n:>4}"
         ref = index.get((base, op, size, n))
         for s in systems:
             r = index.get((s, op, size, n))
             if r is None:
+                na.append(s)
                 line += f" | {'n/a':>{width[s]}}{'':>10}{'':>10}" + \
                     ("" if s == base else f"{'':>8}")
                 continue
@@ -289,7 +307,7 @@ def table(rows: list[dict[str, Any]], systems: list[str]) -> str:
                 line += f"{fmt_ratio(r['median_us'] / ref['median_us']):>8}" if ref \
                     else f"{'-':>8}"
         lines.append(line)
-    lines.append(textwrap.fill(LEGEND.format(base=base), width=max(len(head), 60)))
+    lines.append(textwrap.fill(legend(systems, na), width=max(len(head), 60)))
     return "\n".join(lines)
 
 
@@ -573,17 +591,38 @@ def run_multihost(host: str, port: int, rank: int, n: int, cfg: dict[str, Any],
     return _rows(n, systems, got, each, repeat) if rank == 0 else None
 
 
-def plot(path: str, rows: list[dict[str, Any]]) -> None:
+# One colour per system, whatever the order of --against (a plot compares with another)
+COLORS = {"ctrlcomm": "#1f77b4", "ctrlcomm-aio": "#17becf", "gloo": "#d62728",
+          "mpi": "#2ca02c", "store": "#9467bd", "star": "#ff7f0e", "ctrlcomm-nohb": "#8c564b",
+          "ctrlcomm-hb10ms": "#e377c2", "vllm": "#bcbd22"}
+OTHER_COLOR = "#7f7f7f"
+
+
+def plot_title(cfg: Mapping[str, Any] | None) -> str:
+    """The plot's title: what it shows, and the machine and date of the run."""
+    head = "ctrlcomm bench: median latency per call (bars: up to the p99)"
+    if not cfg:
+        return head
+    host = cfg.get("host")
+    h: Mapping[str, Any] = host if isinstance(host, dict) else {}
+    machine = ", ".join(str(x) for x in (h.get("cpu"), f"{cfg.get('cpus', '?')} CPUs",
+                                         h.get("kernel"), f"Python {cfg.get('python', '?')}")
+                        if x)
+    when = str(cfg.get("when", "")).replace("T", " ")
+    return f"{head}\n{machine}; {when}" if when else f"{head}\n{machine}"
+
+
+def plot(path: str, rows: list[dict[str, Any]], cfg: Mapping[str, Any] | None = None) -> None:
     """Latency against world size (small payloads) and against payload size (largest world),
-    one line per system."""
+    one line per system (its median, and a band up to its p99), each in its own colour; the
+    title says the machine and date of the run (``cfg``: the run's settings)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     systems = list(dict.fromkeys(r["system"] for r in rows))
-    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    color = {name: palette[i % len(palette)] for i, name in enumerate(systems)}
+    color = {name: COLORS.get(name, OTHER_COLOR) for name in systems}
     ops = [o for o in DEFAULT_OPS if any(r["op"] == o for r in rows)]
     sizes = sorted({r["size"] for r in rows if r["size"]})
     small = min(sizes) if sizes else 0
@@ -591,17 +630,17 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
     sized = [o for o in ops if len({r["size"] for r in rows if r["op"] == o}) > 1]
     panels = len(ops) + len(sized)
     cols = 4
-    fig, axes = plt.subplots((panels + cols - 1) // cols, cols,
-                             figsize=(4.2 * cols, 3.4 * ((panels + cols - 1) // cols)),
-                             squeeze=False)
+    nrows = (panels + cols - 1) // cols
+    head = 0.85  # inches above the panels: the title (two lines) and the legend
+    height = 3.4 * nrows + head
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, height), squeeze=False)
     flat = [a for row in axes for a in row]
     for ax, op in zip(flat, ops, strict=False):
         for sysname in systems:
-            pts = sorted((r["world_size"], r["median_us"]) for r in rows
+            pts = sorted((r["world_size"], r["median_us"], r["p99_us"]) for r in rows
                          if r["system"] == sysname and r["op"] == op
                          and r["size"] in (0, small))
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=sysname, color=color[sysname])
+            _line(ax, pts, sysname, color[sysname])
         ax.set_title(f"{op} ({fmt_size(small) if op in SIZED_OPS else '-'}) vs world size")
         ax.set_xlabel("ranks")
         ax.set_ylabel("median latency (us)")
@@ -610,10 +649,9 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
     for ax, op in zip(flat[len(ops):], sized, strict=False):
         n = max(worlds)
         for sysname in systems:
-            pts = sorted((r["size"], r["median_us"]) for r in rows
+            pts = sorted((r["size"], r["median_us"], r["p99_us"]) for r in rows
                          if r["system"] == sysname and r["op"] == op and r["world_size"] == n)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=sysname, color=color[sysname])
+            _line(ax, pts, sysname, color[sysname])
         ax.set_title(f"{op} vs payload size (N={n})")
         ax.set_xlabel("bytes")
         ax.set_ylabel("median latency (us)")
@@ -624,10 +662,22 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=color[name], marker="o", label=name) for name in systems]
-    fig.legend(handles=handles, loc="upper center", ncol=len(systems), fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.suptitle(plot_title(cfg), fontsize=10, y=1 - 0.05 / height, va="top")
+    fig.legend(handles=handles, loc="upper center", ncol=len(systems), fontsize=9,
+               bbox_to_anchor=(0.5, 1 - 0.42 / height), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - head / height))
     ext = os.path.splitext(path)[1][1:].lower()
     fig.savefig(path, dpi=110, format=ext or "png")  # (no extension: a PNG, at that path)
+
+
+def _line(ax: Any, pts: list[tuple[float, float, float]], name: str, color: str) -> None:
+    """One system's line on ``ax``: (x, median, p99) points, the median drawn, a bar from it
+    up to the p99 at each point (the spread; a band would vanish where a run has one x)."""
+    if not pts:
+        return
+    xs, med, p99 = zip(*pts, strict=True)
+    ax.errorbar(xs, med, yerr=[[0.0] * len(med), [p - m for m, p in zip(med, p99, strict=True)]],
+                marker="o", label=name, color=color, capsize=3, elinewidth=1)
 
 
 def check_plot(path: str) -> None:
@@ -719,6 +769,7 @@ def record_host(cfg: dict[str, Any]) -> None:
 
     cfg.setdefault("python", sys.version.split()[0])
     cfg.setdefault("cpus", os.cpu_count())
+    cfg.setdefault("when", time.strftime("%Y-%m-%dT%H:%M:%S"))
     cfg["versions"] = versions()
     cfg["host"] = {"kernel": f"{platform.system()} {platform.release()}", "cpu": _cpu_model(),
                    "env": {k: "(set)" if k == "CTRLCOMM_AUTH_KEY" else os.environ[k]
