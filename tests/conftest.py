@@ -49,6 +49,7 @@ _WORDS = {
     "msgpack": ("msgpack",),
     "plot": ("matplotlib", "--plot"),
     "mpi": ("mpi4py", '"mpi"', ",mpi", "mpi,"),
+    "docs": ("mkdocs",),
 }
 
 
