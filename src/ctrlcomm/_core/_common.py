@@ -105,8 +105,13 @@ _FAIL_IN_PLACE = frozenset({
 MAX_PAYLOAD = w.MAX_MESSAGE - 64 * 1024
 
 
+def _size(payload: Any, bufs: tuple[Any, ...]) -> int:
+    """The bytes of an encoded object: its payload and out-of-band buffers."""
+    return memoryview(payload).nbytes + sum(memoryview(b).nbytes for b in bufs)
+
+
 def _check_size(payload: Any, bufs: tuple[Any, ...]) -> None:
-    size = memoryview(payload).nbytes + sum(memoryview(b).nbytes for b in bufs)
+    size = _size(payload, bufs)
     if size > MAX_PAYLOAD:
         raise CodecError(f"the object is {size / 2**30:.2f} GiB encoded ({size:,} bytes), more "
                          f"than a message carries ({MAX_PAYLOAD:,} bytes): send it in parts")
@@ -265,7 +270,3 @@ def said(e: BaseException, limit: int = 300) -> str:
     """An error as a flight record tells it: its class and the start of its message."""
     text = f"{type(e).__name__}: {e}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _nbytes(b: Any) -> int:
-    return memoryview(b).nbytes

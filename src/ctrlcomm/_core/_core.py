@@ -44,11 +44,11 @@ from ._common import (
     _first_pass,
     _get_ident,
     _monotonic,
-    _nbytes,
     _new,
     _ploads,
     _running_loop,
     _send_name,
+    _size,
     _undecodable,
     said,
 )
@@ -210,9 +210,7 @@ class Core(_Mailbox):
                         continue
                     m = box[seq].pop((rnd, s))
                     held[s] -= 1
-                    brecv += _nbytes(m.payload)
-                    if m.buffers:
-                        brecv += sum(_nbytes(b) for b in m.buffers)
+                    brecv += _size(m.payload, m.buffers)
                     try:  # self._decode, without two calls for the usual codec
                         reply[s] = _ploads(m.payload, buffers=m.buffers) \
                             if m.codec == _PICKLE and unpickle \
@@ -376,9 +374,8 @@ class Core(_Mailbox):
             raise
         finally:
             if self.flight is not None:
-                size = _nbytes(payload) + sum(_nbytes(b) for b in bufs) if bufs \
-                    else len(payload)
-                self._record_p2p(what or "send", dst, tag, start, err, len(dsts), 0, size,
+                self._record_p2p(what or "send", dst, tag, start, err, len(dsts), 0,
+                                 _size(payload, bufs),
                                  list(dsts) if err else _NONE_LOST)
         if self._deferred:  # asked for while this call ran
             self.run_deferred_here()
@@ -480,8 +477,7 @@ class Core(_Mailbox):
         m = q.popleft()
         if not q:
             del self.p2p[key]
-        self._got = _nbytes(m.payload) + (sum(_nbytes(b) for b in m.buffers) if m.buffers
-                                          else 0)
+        self._got = _size(m.payload, m.buffers)
         return self._decode(m, name)
 
     def _cancelled_recv(self, name: str) -> None:

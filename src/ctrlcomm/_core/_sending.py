@@ -20,7 +20,7 @@ from ._common import (
     MAX_PAYLOAD,
     _check_size,
     _first_pass,
-    _nbytes,
+    _size,
 )
 from ._state import _CoreState
 
@@ -106,7 +106,7 @@ class _Sending(_CoreState):
             if bufs or len(payload) > MAX_PAYLOAD:
                 payload, bufs = self._sized(payload, bufs, opcode)
             self._emit(w.COLL, to, seq, rnd, opcode, root, self.codec, payload, bufs)
-            n += _nbytes(payload) + sum(_nbytes(b) for b in bufs)
+            n += _size(payload, bufs)
         return n
 
     def _encoded(self, obj: Any, enc: Any = None) -> tuple[Any, tuple[Any, ...]]:

@@ -34,6 +34,7 @@ from ._common import (
     Past,
     PointWait,
     Said,
+    _op_of,
     flight_record_size,
 )
 
@@ -216,7 +217,7 @@ def _record(r: tuple[Any, ...], wall: float, now: float = 0.0) -> dict[str, Any]
     name, seq, peer, tag, start, end, err, sent, received, bsent, breceived, waited = r
     p2p = seq is None
     if p2p:  # (a name as errors give it, "recv_obj(src=1)": the call's)
-        name = name.partition("(")[0]
+        name = _op_of(name)
     state = "running" if end is None else "done" if err is None else "failed"
     return {
         "op": name, "seq": seq,

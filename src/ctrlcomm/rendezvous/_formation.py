@@ -584,7 +584,7 @@ def _table(store: StoreClient, address: str, rank: int, size: int, name: str,
             if e.answered and left > look:
                 noted = noted and until_due() <= TABLE_LOOK_S
                 if not noted and until_due() <= TABLE_LOOK_S:
-                    _note_missing(store, size)
+                    _note_missing(store, size, done["rank0"])
                     noted = True
                 continue
             if not e.answered:
@@ -611,15 +611,10 @@ def _table(store: StoreClient, address: str, rank: int, size: int, name: str,
         time.sleep(0.05)
 
 
-def _note_missing(store: StoreClient, size: int) -> None:
-    """(A rank that waits for the address table.) Which ranks have not joined, as the store
-    tells (each rank's key is there from its join until it reads the table), noted for the
-    warning a long wait logs."""
-    try:
-        have = store.exists([f"{FORMATION}rank/{r}" for r in range(size)], timeout=ASK_S)
-    except StoreError:
-        return
-    missing = [r for r, h in enumerate(have) if not h]
+def _note_missing(store: StoreClient, size: int, token: str) -> None:
+    """(A rank that waits for the address table.) Which ranks are not in, as the store tells
+    (:func:`_missing_ranks`; ``token``: rank 0's), noted for the warning a long wait logs."""
+    missing = sorted(sum(_missing_ranks(store, range(size), ASK_S, token), []))
     note(f"ranks {missing} to join (rank 0 publishes the address table then)" if missing
          else "rank 0's address table")
 
