@@ -130,8 +130,7 @@ def _formation(args: argparse.Namespace) -> int:
               and getattr(args, x) not in (None, False)]
     if others or args.plot or args.from_json:
         raise _Stop(2, "--formation takes -n, --repeat, --against and --json only")
-    text = "gloo,vllm" if args.against is None else "" if args.against.strip() == "none" \
-        else args.against
+    text = "gloo,vllm" if args.against is None else _against(args)
     asked = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in asked if s not in f.SYSTEMS[1:]]
     if unknown:

@@ -614,7 +614,7 @@ def plot_title(cfg: Mapping[str, Any] | None) -> str:
 
 def plot(path: str, rows: list[dict[str, Any]], cfg: Mapping[str, Any] | None = None) -> None:
     """Latency against world size (small payloads) and against payload size (largest world),
-    one line per system (its median, and a band up to its p99), each in its own colour; the
+    one line per system (its median, and a bar up to its p99), each in its own colour; the
     title says the machine and date of the run (``cfg``: the run's settings)."""
     import matplotlib
 
